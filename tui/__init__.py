@@ -1,0 +1,1 @@
+"""The Textual dashboard (`blink-appliance top`). Installed as blink_appliance.tui."""
