@@ -1,0 +1,238 @@
+"""The Llama-family decoder in plain PyTorch: the CPU reference model.
+
+One file, top to bottom: RoPE tables, RMSNorm, attention over the paged KV cache, SwiGLU MLP, the
+decoder layer, the model. It covers Llama 2/3.x (incl. "llama3" RoPE scaling), Mistral, Qwen2 (q/k/v
+bias), Qwen3 (per-head q/k RMSNorm) and SmolLM2. Parameter names follow Hugging Face's
+LlamaForCausalLM so checkpoints load without renaming.
+
+A forward step takes a flat batch of tokens from many sequences (prefill chunks and decode tokens
+mixed) described by a ForwardBatch, writes their K/V into the paged cache, and returns logits only for
+the rows that sample. The GPU forward (kernels/) computes the same function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blink_appliance.model.config import ModelConfig
+from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for the rotary embedding, with Llama 3's frequency scaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [T, head_dim] for the rotate-half convention, computed in fp32."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; rotate-half RoPE (HF convention, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and cast back before the weight, as the reference implementations do.
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """Causal attention of each query token over its sequence's keys in the paged cache.
+
+    q: [T, n_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, n_kv, head_dim] (one layer).
+    Returns [T, n_heads, head_dim]; padding rows (past the last sequence's run) are zero.
+    Decode sequences (one query each) are batched into one call; prefill chunks go one by one.
+    """
+    out = torch.zeros_like(q)
+    block_size = k_cache.shape[1]
+    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
+    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
+    qs = batch.query_start.tolist()
+    ctx = batch.context_lens.tolist()
+    decode, prefill = [], []
+    for s in range(len(ctx)):
+        n_q = qs[s + 1] - qs[s]
+        if n_q == 1:
+            decode.append(s)
+        elif n_q > 1:
+            prefill.append(s)
+
+    def key_slots(s: int, n: int) -> torch.Tensor:
+        pos = torch.arange(n, device=q.device)
+        return batch.block_tables[s, pos // block_size].to(torch.int64) * block_size + pos % block_size
+
+    if decode:
+        # All decode tokens at once: pad keys to the longest context and mask the tail.
+        max_ctx = max(ctx[s] for s in decode)
+        slots = torch.stack([F.pad(key_slots(s, ctx[s]), (0, max_ctx - ctx[s])) for s in decode])
+        valid = torch.arange(max_ctx, device=q.device)[None, :] < torch.tensor([ctx[s] for s in decode], device=q.device)[:, None]
+        rows = torch.tensor([qs[s] for s in decode], device=q.device)
+        keys = flat_k[slots].transpose(1, 2)  # [S, n_kv, max_ctx, D]
+        values = flat_v[slots].transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q[rows][:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        out[rows] = attn[:, :, 0, :]
+    for s in prefill:
+        start, end, n_ctx = qs[s], qs[s + 1], ctx[s]
+        slots = key_slots(s, n_ctx)
+        keys = flat_k[slots].transpose(0, 1)  # [n_kv, n_ctx, D]
+        values = flat_v[slots].transpose(0, 1)
+        q_pos = batch.positions[start:end]
+        mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start:end] = attn.transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        c = self.config
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        # Write this step's K/V first so that a token attends to itself and earlier tokens of its chunk.
+        write = batch.slot_mapping >= 0
+        slots = batch.slot_mapping[write]
+        k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k[write])
+        v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v[write])
+
+        attn = paged_attention(q, k_cache, v_cache, batch, scale=c.head_dim**-0.5)
+        return self.o_proj(attn.reshape(T, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """Holds the parameters under `model.` so names match HF checkpoints."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in; every parameter must be present and no name left over."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(weights))
+        unexpected = sorted(set(weights) - set(params))
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the {self.config.arch} model: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                w = weights[name]
+                if tuple(w.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model shape {tuple(p.shape)}")
+                p.copy_(w)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, kv.k[i], kv.v[i])
+        h = self.model.norm(x[batch.sample_rows])
+        return F.linear(h, self.output_embedding).float()
