@@ -65,9 +65,10 @@ def load_checkpoint(source: str, *, seed: int = 0) -> Checkpoint:
             raise FileNotFoundError(f"hf: model directory not found: {directory}")
         config, weights = load_hf_dir(directory)
         return Checkpoint(source, config, weights, tokenizer=_hf_tokenizer(directory))
+    path = _gguf_path(kind, arg)
     from blink_appliance.model.loaders.gguf_loader import load_gguf
 
-    config, weights, tokenizer = load_gguf(_gguf_path(kind, arg))
+    config, weights, tokenizer = load_gguf(path)
     return Checkpoint(source, config, weights, tokenizer)
 
 
@@ -89,9 +90,10 @@ def load_tokenizer(source: str) -> Tokenizer | None:
         if not directory.is_dir():
             raise FileNotFoundError(f"hf: model directory not found: {directory}")
         return _hf_tokenizer(directory)
+    path = _gguf_path(kind, arg)
     from blink_appliance.model.loaders.gguf_loader import load_gguf_tokenizer
 
-    return load_gguf_tokenizer(_gguf_path(kind, arg))
+    return load_gguf_tokenizer(path)
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
