@@ -1,0 +1,161 @@
+"""RoPE on q and k (rotate-half convention), fused with the paged KV-cache write.
+
+The QKV projection leaves each token's row as [q heads | k heads | v heads]. One program per token
+rotates the q heads in place (attention reads them straight from that buffer), rotates the k heads,
+and stores k and v into the cache slot `slot_mapping[t]` (skipped when -1: padding). Optional per-head
+RMSNorm of q and k before the rotation (Qwen3). cos/sin come from tables precomputed at load time
+(`rope_tables`), Llama-3 frequency scaling included, so the step does no trigonometry.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rope_tables(
+    inv_freq: torch.Tensor, max_positions: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, head_dim // 2] fp32, computed as the reference model computes them."""
+    pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = pos[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+@triton.jit
+def _head_rms(x1, x2, w_ptr, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Per-head RMSNorm of a [heads, HALF] x 2 tile, in the reference's order of roundings."""
+    d = tl.arange(0, HALF)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    ms = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM
+    rstd = 1.0 / tl.sqrt(ms + eps)
+    w1 = tl.load(w_ptr + d).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+    a = (a * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1[None, :]
+    b = (b * rstd[:, None]).to(x2.dtype).to(tl.float32) * w2[None, :]
+    return a.to(x1.dtype).to(tl.float32), b.to(x2.dtype).to(tl.float32)
+
+
+@triton.jit
+def _rope_cache_write_kernel(
+    qkv_ptr,
+    positions_ptr,
+    slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    qkv_stride,
+    max_positions,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HKV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + t * qkv_stride
+    pos = tl.load(positions_ptr + t)
+    # An out-of-table position is a scheduler bug; clamp so it cannot fault (the host checks bounds).
+    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + d)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + d)[None, :]
+
+    # q heads, rotated in place.
+    hq = tl.arange(0, HQ_PAD)[:, None]
+    qmask = hq < NUM_HEADS
+    q_off = hq * HEAD_DIM + d[None, :]
+    q1 = tl.load(row + q_off, mask=qmask, other=0.0)
+    q2 = tl.load(row + q_off + HALF, mask=qmask, other=0.0)
+    if QK_NORM:
+        a, b = _head_rms(q1, q2, q_norm_ptr, eps, HALF, HEAD_DIM)
+    else:
+        a = q1.to(tl.float32)
+        b = q2.to(tl.float32)
+    tl.store(row + q_off, (a * cos - b * sin).to(q1.dtype), mask=qmask)
+    tl.store(row + q_off + HALF, (b * cos + a * sin).to(q1.dtype), mask=qmask)
+
+    # k heads rotated, k and v stored into the cache slot.
+    slot = tl.load(slot_ptr + t)
+    hk = tl.arange(0, HKV_PAD)[:, None]
+    kmask = hk < NUM_KV_HEADS
+    k_off = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + d[None, :]
+    k1 = tl.load(row + k_off, mask=kmask, other=0.0)
+    k2 = tl.load(row + k_off + HALF, mask=kmask, other=0.0)
+    if QK_NORM:
+        a, b = _head_rms(k1, k2, k_norm_ptr, eps, HALF, HEAD_DIM)
+    else:
+        a = k1.to(tl.float32)
+        b = k2.to(tl.float32)
+    v_off = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + hk * HEAD_DIM + d[None, :]
+    v1 = tl.load(row + v_off, mask=kmask, other=0.0)
+    v2 = tl.load(row + v_off + HALF, mask=kmask, other=0.0)
+    wmask = kmask & ((hk * 0 + slot) >= 0)  # broadcast the scalar test to the tile
+    c_off = tl.maximum(slot, 0) * (NUM_KV_HEADS * HEAD_DIM) + hk * HEAD_DIM + d[None, :]
+    cdt = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + c_off, (a * cos - b * sin).to(cdt), mask=wmask)
+    tl.store(k_cache_ptr + c_off + HALF, (b * cos + a * sin).to(cdt), mask=wmask)
+    tl.store(v_cache_ptr + c_off, v1.to(cdt), mask=wmask)
+    tl.store(v_cache_ptr + c_off + HALF, v2.to(cdt), mask=wmask)
+
+
+def rope_and_cache_write(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """qkv: [T, (num_heads + 2*num_kv_heads) * head_dim], q rotated in place.
+
+    k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    positions, slot_mapping: [T] int64. cos/sin: [max_positions, head_dim // 2] fp32.
+    """
+    tokens = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"rope_and_cache_write: qkv {tuple(qkv.shape)} is not [T, (Hq+2Hkv)*D] row-major")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_and_cache_write: the cache layer views must be contiguous")
+    if head_dim % 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"rope_and_cache_write: head_dim {head_dim} must be a power of two")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("rope_and_cache_write: q_norm and k_norm come together")
+    if tokens == 0:
+        return
+    _rope_cache_write_kernel[(tokens,)](
+        qkv,
+        positions,
+        slot_mapping,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        q_norm if q_norm is not None else cos,
+        k_norm if k_norm is not None else cos,
+        qkv.stride(0),
+        cos.shape[0],
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HQ_PAD=triton.next_power_of_2(num_heads),
+        HKV_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        QK_NORM=q_norm is not None,
+        num_warps=4,
+    )

@@ -1,0 +1,172 @@
+"""RMSNorm(+residual), RoPE + KV-cache write, SiLU-and-mul vs plain-torch references.
+
+Without a GPU the kernels run under Triton's interpreter (set before the kernels import).
+Outputs are poisoned with NaN first; every row the kernel owns must be written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from blink_appliance.kernels.activation import silu_and_mul  # noqa: E402
+from blink_appliance.kernels.rmsnorm import add_rmsnorm  # noqa: E402
+from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables  # noqa: E402
+
+from blink_appliance.model.config import ModelConfig, RopeScaling  # noqa: E402
+from blink_appliance.model.llama import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
+HIDDEN = [2048, 4096, 576] if GPU else [64, 40]
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 1e-2 if dtype == torch.bfloat16 else 1e-5
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def ref_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        return norm(x)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_with_residual(hidden, dtype):
+    T = 13
+    x = torch.randn(T, hidden, dtype=dtype, device=DEVICE)
+    res = torch.randn(T, hidden, dtype=dtype, device=DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    summed = x + res
+    want = ref_rmsnorm(summed, w, 1e-5)
+    out = torch.full_like(x, float("nan"))
+    res_k = res.clone()
+    add_rmsnorm(x, w, out, 1e-5, residual=res_k)
+    assert torch.isfinite(out).all()
+    assert torch.equal(res_k, summed), "the residual stream must hold x + residual"
+    assert rel(out, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_plain_and_gathered_rows(dtype):
+    hidden = HIDDEN[0]
+    x = torch.randn(9, hidden, dtype=dtype, device=DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    add_rmsnorm(x, w, out, 1e-6)
+    assert rel(out, ref_rmsnorm(x, w, 1e-6)) < tol(dtype)
+
+    # Final norm: only the sampled rows, residual read but not written back; -1 gives a zero row.
+    res = torch.randn_like(x)
+    res_before = res.clone()
+    rows = torch.tensor([8, 0, 3, -1], device=DEVICE)
+    out = torch.full((4, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    add_rmsnorm(x, w, out, 1e-6, residual=res, write_residual=False, rows=rows)
+    want = ref_rmsnorm((x + res)[rows[:3]], w, 1e-6)
+    assert torch.equal(res, res_before)
+    assert rel(out[:3], want) < tol(dtype)
+    assert (out[3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    inter = 8192 if GPU else 96
+    gate_up = torch.randn(7, 2 * inter, dtype=dtype, device=DEVICE)
+    out = torch.full((7, inter), float("nan"), dtype=dtype, device=DEVICE)
+    silu_and_mul(gate_up, out)
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert torch.isfinite(out).all()
+    assert rel(out, want) < tol(dtype)
+
+
+def _rope_config(head_dim: int, scaled: bool, qk_norm: bool, heads: int, kv_heads: int) -> ModelConfig:
+    return ModelConfig(
+        arch="qwen3" if qk_norm else "llama",
+        vocab_size=32,
+        hidden_size=heads * head_dim,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=500000.0,
+        qk_norm=qk_norm,
+        max_position_embeddings=131072,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192) if scaled else None,
+    )
+
+
+ROPE_CASES = (
+    [(32, 8, 64, True, False), (32, 8, 128, True, False), (16, 8, 128, False, True), (9, 3, 64, False, False)]
+    if GPU
+    else [(4, 2, 16, True, False), (6, 2, 32, False, True), (3, 3, 16, False, False)]
+)
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_cache_write(case, dtype):
+    H, HKV, D, scaled, qk_norm = case
+    cfg = _rope_config(D, scaled, qk_norm, H, HKV)
+    T, num_blocks, bs, max_pos = 11, 7, 4, 20000
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(T, (H + 2 * HKV) * D, generator=gen).to(dtype)
+    # Positions far out exercise Llama-3's scaled low frequencies; slot -1 rows are padding.
+    positions = torch.randint(0, max_pos, (T,), generator=gen)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
+    slots[[2, 9]] = -1
+    k_cache = torch.full((num_blocks, bs, HKV, D), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    q_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype) if qk_norm else None
+    k_norm = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype) if qk_norm else None
+
+    # Reference: the model's own functions.
+    inv = rope_inv_freq(cfg)
+    q = qkv[:, : H * D].view(T, H, D).float()
+    k = qkv[:, H * D : (H + HKV) * D].view(T, HKV, D).float()
+    v = qkv[:, (H + HKV) * D :].view(T, HKV, D)
+    if qk_norm:
+        q, k = ref_rmsnorm(q, q_norm.float(), 1e-6), ref_rmsnorm(k, k_norm.float(), 1e-6)
+    cos, sin = rope_cos_sin(inv, positions, torch.float32)
+    q_want, k_want = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    cos_t, sin_t = rope_tables(inv, max_pos, DEVICE)
+    qkv_d, kc, vc = qkv.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE)
+    rope_and_cache_write(
+        qkv_d,
+        positions.to(DEVICE),
+        slots.to(DEVICE),
+        cos_t,
+        sin_t,
+        kc,
+        vc,
+        H,
+        HKV,
+        D,
+        q_norm=None if q_norm is None else q_norm.to(DEVICE),
+        k_norm=None if k_norm is None else k_norm.to(DEVICE),
+        eps=1e-6,
+    )
+    got_q = qkv_d[:, : H * D].view(T, H, D).cpu()
+    assert rel(got_q, q_want) < tol(dtype)
+    write = slots >= 0
+    flat_k, flat_v = kc.cpu().view(-1, HKV, D), vc.cpu().view(-1, HKV, D)
+    assert rel(flat_k[slots[write]], k_want[write]) < tol(dtype)
+    assert torch.equal(flat_v[slots[write]], v[write])
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[slots[write]] = False
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all(), "wrote a -1 slot"
+    # k and v in the qkv buffer are left as they were (only q is rotated in place).
+    assert torch.equal(qkv_d[:, H * D :].cpu(), qkv[:, H * D :])
