@@ -1,0 +1,309 @@
+"""Front-end side of the rings: submit requests, stream their tokens, cancel, watch the engine.
+
+Used by the aiohttp front end. `submit` and `cancel` are plain calls (a few stores into the
+region); one pump task on the event loop polls every open channel, feeds per-request queues and
+writes the front end's heartbeat. Single producer: one EngineClient per region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blink_appliance.engine.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.transport.region import RingRegion
+from blink_appliance.transport.ring_layout import FINISH_FROM_CODE, EngineState, ErrorCode, RingGeometry
+from blink_appliance.transport.transport import Transport
+
+
+class EngineBusyError(Exception):
+    """No room right now (request ring, token arena or in-flight slots full); retry later."""
+
+
+class EngineDeadError(Exception):
+    """The engine's heartbeat is stale or it is not running."""
+
+
+@dataclass
+class _Pending:
+    request_id: int
+    slot: int
+    generation: int
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    terminated: bool = False  # the stream already got its terminal event (maybe a local one)
+
+
+class EngineClient:
+    def __init__(
+        self, region: RingRegion, *, dead_after_s: float = 0.8, poll_interval_s: float = 0.0005
+    ) -> None:
+        self.region = region
+        self.geometry = region.geometry
+        self.dead_after_ns = int(dead_after_s * 1e9)
+        self.poll_interval_s = poll_interval_s
+        n = self.geometry.max_inflight
+        self._tracked_gen = np.zeros(n, dtype=np.uint64)  # generation we wait on per slot; 0 = free
+        self._delivered = np.zeros(n, dtype=np.uint64)  # tokens read from each slot
+        self._by_slot: dict[int, _Pending] = {}
+        self._by_id: dict[int, _Pending] = {}
+        self._free: deque[int] = deque()
+        self._pump: asyncio.Task[None] | None = None
+        self._closed = False
+        self._beat_value = 0
+        self._beat_seen_ns = 0
+        self._head = self._arena_head = self._next_id = 0
+
+    @classmethod
+    def attach(cls, transport: Transport, geometry: RingGeometry, **options: float) -> EngineClient:
+        return cls(RingRegion.attach(transport, geometry), **options)
+
+    # -- life cycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Take the producer role and start the pump on the running loop."""
+        if self._pump is not None:
+            raise RuntimeError("EngineClient already started")
+        r = self.region
+        r.store("frontend_epoch", r.load("frontend_epoch") + 1)
+        r.store("frontend_pid", os.getpid())
+        r.store("frontend_heartbeat_ns", time.monotonic_ns())
+        self._head, self._arena_head = r.load("req_head"), r.load("arena_head")
+        self._next_id = max(r.load("next_request_id"), 1)
+        # A slot is ours again once the engine finished its last generation; slots a previous
+        # front end left open stay tracked (no stream) until the engine reclaims them.
+        ctl, prog = r.ctl_table(), r.progress_table()
+        for slot in range(self.geometry.max_inflight):
+            gen = int(ctl["generation"][slot])
+            if gen == int(prog["done"][slot]):
+                self._free.append(slot)
+            else:
+                self._tracked_gen[slot] = gen
+        self._beat_value = r.load("engine_heartbeat_ns")
+        self._beat_seen_ns = time.monotonic_ns() - self.dead_after_ns - 1
+        self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="engine-client-pump")
+        # Give a live engine a moment to show a heartbeat, so the first submit does not see it dead.
+        deadline = time.monotonic() + 0.25
+        while not self.engine_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        """Cancel what is in flight (the engine frees it) and end every open stream."""
+        if self._closed:
+            return
+        self._closed = True
+        for pending in list(self._by_id.values()):
+            self.cancel(pending.request_id)
+            self._terminate_locally(pending, FinishReason.ABORT, "client closed")
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
+        """Publish one request; returns its id. Never blocks: a full ring raises EngineBusyError."""
+        if self._pump is None or self._closed:
+            raise RuntimeError("EngineClient is not started (await start()) or already closed")
+        g = self.geometry
+        params.validate()
+        prompt = np.asarray(prompt_token_ids, dtype=np.int64)
+        if prompt.ndim != 1 or not 1 <= prompt.size <= g.max_prompt_tokens:
+            raise ValueError(f"prompt must hold 1 to {g.max_prompt_tokens} token ids, got {prompt.size}")
+        if prompt.min() < 0 or prompt.max() >= 2**31:
+            raise ValueError("prompt token ids must be in [0, 2**31)")
+        if params.max_tokens > g.max_output_tokens:
+            raise ValueError(
+                f"max_tokens {params.max_tokens} exceeds this server's limit {g.max_output_tokens}"
+            )
+        if len(params.stop_token_ids) > g.max_stop_ids:
+            raise ValueError(f"at most {g.max_stop_ids} stop token ids, got {len(params.stop_token_ids)}")
+        if any(not 0 <= t < 2**31 for t in params.stop_token_ids):
+            raise ValueError("stop token ids must be in [0, 2**31)")
+        if not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must fit in int32, got {priority}")
+        if not self.engine_alive:
+            raise EngineDeadError("engine is not running (heartbeat stale or engine stopped)")
+        r = self.region
+        if not self._free:
+            raise EngineBusyError(f"all {g.max_inflight} in-flight slots are taken")
+        if self._head - r.load("req_tail") >= g.request_slots:
+            raise EngineBusyError(f"request ring full ({g.request_slots} records queued)")
+        n = int(prompt.size)
+        position = self._arena_head
+        if position % g.arena_tokens + n > g.arena_tokens:
+            position += g.arena_tokens - position % g.arena_tokens  # keep the prompt contiguous
+        end = position + n
+        if end - r.load("arena_tail") > g.arena_tokens:
+            raise EngineBusyError("prompt token arena full")
+
+        slot = self._free.popleft()
+        generation = int(r.load_ctl(slot, "generation")) + 1
+        request_id = self._next_id
+        self._next_id += 1
+        # The slot is ours (done == previous generation): reset it, then claim the new generation.
+        r.store_progress(slot, "count", 0)
+        r.clear_status(slot)
+        r.store_ctl(slot, "request_id", request_id)
+        r.store_ctl(slot, "generation", generation)
+        r.write_prompt(position, prompt.astype("<i4"))
+        self._arena_head = end
+        r.store("arena_head", end)
+        record = r.new_record()
+        rec = record[0]
+        rec["request_id"], rec["generation"], rec["slot"], rec["priority"] = (
+            request_id,
+            generation,
+            slot,
+            priority,
+        )
+        rec["prompt_offset"], rec["arena_end"], rec["prompt_len"] = position, end, n
+        rec["max_tokens"], rec["temperature"], rec["top_p"] = (
+            params.max_tokens,
+            params.temperature,
+            params.top_p,
+        )
+        rec["min_p"], rec["top_k"], rec["ignore_eos"] = params.min_p, params.top_k, int(params.ignore_eos)
+        rec["has_seed"], rec["seed"] = int(params.seed is not None), params.seed or 0
+        rec["n_stop"] = len(params.stop_token_ids)
+        rec["stop_ids"][: len(params.stop_token_ids)] = params.stop_token_ids
+        r.publish_record(self._head, record)
+        self._head += 1
+        r.store("next_request_id", self._next_id)
+        r.doorbell("req_head", self._head)
+
+        pending = _Pending(request_id, slot, generation)
+        self._by_id[request_id] = pending
+        self._by_slot[slot] = pending
+        self._tracked_gen[slot] = generation
+        self._delivered[slot] = 0
+        return request_id
+
+    async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
+        """The request's events, ending with its terminal one. Leaving early cancels the request
+        (use contextlib.aclosing for a prompt cancel on `break`)."""
+        pending = self._by_id.get(request_id)
+        if pending is None:
+            raise KeyError(f"unknown or already finished request id {request_id}")
+        finished = False
+        try:
+            while True:
+                event = await pending.queue.get()
+                if event.finished:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(request_id)
+            self._by_id.pop(request_id, None)
+
+    def cancel(self, request_id: int) -> None:
+        """Ask the engine to abort; the stream still ends with an ABORT terminal event."""
+        pending = self._by_id.get(request_id)
+        if pending is not None and self._by_slot.get(pending.slot) is pending:  # slot not yet reused
+            self.region.store_ctl(pending.slot, "cancel", pending.generation)
+
+    # -- engine liveness and telemetry -------------------------------------------------------------
+    @property
+    def engine_alive(self) -> bool:
+        """Running and its heartbeat advanced within the last `dead_after_s` (our own clock)."""
+        now = time.monotonic_ns()
+        beat = self.region.load("engine_heartbeat_ns")
+        if beat != self._beat_value:
+            self._beat_value, self._beat_seen_ns = beat, now
+        return (
+            self.region.load("engine_state") == EngineState.RUNNING
+            and now - self._beat_seen_ns <= self.dead_after_ns
+        )
+
+    def telemetry(self) -> dict[str, int | float]:
+        r = self.region
+        values: dict[str, int | float] = dict(r.read_telemetry())
+        values.update(
+            engine_alive=int(self.engine_alive),
+            engine_epoch=r.load("engine_epoch"),
+            engine_state=r.load("engine_state"),
+            ring_queued=self._head - r.load("req_tail"),
+            ring_capacity=self.geometry.request_slots,
+            inflight=len(self._by_slot),
+            inflight_capacity=self.geometry.max_inflight,
+            arena_used=self._arena_head - r.load("arena_tail"),
+            arena_capacity=self.geometry.arena_tokens,
+        )
+        return values
+
+    # -- the pump ---------------------------------------------------------------------------------
+    async def _run_pump(self) -> None:
+        while True:
+            self.region.store("frontend_heartbeat_ns", time.monotonic_ns())
+            moved = self._poll_channels()
+            if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
+                self._fail_pending("engine is dead: heartbeat stale or engine stopped")
+            await asyncio.sleep(0 if moved else self.poll_interval_s)
+
+    def _poll_channels(self) -> bool:
+        if not self._tracked_gen.any():
+            return False
+        prog = self.region.progress_table()
+        tracked = self._tracked_gen != 0
+        done = tracked & (prog["done"] == self._tracked_gen)
+        grew = tracked & (prog["count"] > self._delivered)
+        for slot in np.nonzero(done | grew)[0]:
+            self._drain_slot(int(slot), bool(done[slot]), int(prog["count"][slot]))
+        return bool(done.any() or grew.any())
+
+    def _drain_slot(self, slot: int, done: bool, count: int) -> None:
+        r = self.region
+        if done:
+            count = r.load_progress(slot, "count")  # re-read after seeing done: now final
+        count = min(count, self.geometry.max_output_tokens)
+        start = int(self._delivered[slot])
+        pending = self._by_slot.get(slot)
+        status = r.read_status(slot) if done else None
+        terminal_token = bool(status is not None and status["terminal_token"] and count > start)
+        if pending is not None and not pending.terminated and count > start:
+            tokens, times = r.read_output(slot, start, count)
+            last = len(tokens) - 1 if terminal_token else len(tokens)
+            for i in range(last):
+                pending.queue.put_nowait(
+                    TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
+                )
+            if terminal_token:
+                self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
+        self._delivered[slot] = count
+        if done:
+            if pending is not None and not pending.terminated:
+                self._emit_terminal(pending, status, None, int(status["finish_ns"]))
+            self._tracked_gen[slot] = 0
+            self._free.append(slot)
+            self._by_slot.pop(slot, None)  # the id stays known until its stream has ended
+
+    def _emit_terminal(self, pending: _Pending, status: np.void, token: int | None, stamp: int) -> None:
+        reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)
+        code = int(status["error_code"])
+        detail = bytes(status["error_detail"]).rstrip(b"\0").decode("utf-8", "replace")
+        error = None
+        if code != ErrorCode.NONE or reason is FinishReason.ERROR:
+            name = ErrorCode(code).name.lower() if code in ErrorCode._value2member_map_ else f"error {code}"
+            error = f"{name}: {detail}" if detail else name
+        pending.queue.put_nowait(TokenEvent(pending.request_id, token, reason, error, stamp))
+        pending.terminated = True
+
+    def _terminate_locally(self, pending: _Pending, reason: FinishReason, error: str) -> None:
+        if not pending.terminated:
+            pending.queue.put_nowait(TokenEvent(pending.request_id, None, reason, error, time.monotonic_ns()))
+            pending.terminated = True
+
+    def _fail_pending(self, error: str) -> None:
+        """Engine gone: end every open stream now; the slots come back when an engine finishes them."""
+        for pending in self._by_id.values():
+            if not pending.terminated:
+                self.region.store_ctl(pending.slot, "cancel", pending.generation)
+                self._terminate_locally(pending, FinishReason.ERROR, error)

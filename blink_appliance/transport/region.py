@@ -1,0 +1,168 @@
+"""Typed access to the shared region through a Transport: the only code that turns layout offsets
+into reads and writes. Both ends build on it; neither touches raw offsets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blink_appliance.transport.ring_layout import (
+    CHANNEL_CTL,
+    CHANNEL_PROGRESS,
+    CHANNEL_STATUS,
+    CONTROL,
+    MAGIC,
+    TELEMETRY_FIELDS,
+    RingGeometry,
+    RingLayout,
+    geometry_header,
+)
+from blink_appliance.transport.transport import Transport
+
+
+class RingRegion:
+    def __init__(self, transport: Transport, geometry: RingGeometry) -> None:
+        self.transport = transport
+        self.geometry = geometry
+        self.layout = RingLayout.of(geometry)
+        if transport.size < self.layout.size:
+            raise ValueError(
+                f"transport region is {transport.size} bytes; geometry {geometry} needs {self.layout.size}"
+            )
+
+    # -- creation and attachment -----------------------------------------------------------------
+    @classmethod
+    def create(cls, transport: Transport, geometry: RingGeometry) -> RingRegion:
+        """Initialise a fresh (zeroed) region for `geometry`; the magic word is written last."""
+        region = cls(transport, geometry)
+        header = geometry_header(geometry)
+        rec = np.zeros(1, dtype=CONTROL)
+        for name, value in header.items():
+            rec[name] = value
+        rec["magic"] = 0
+        transport.write(0, rec.tobytes()[:64])
+        transport.store_u64(CONTROL.fields["magic"][1], MAGIC)
+        return region
+
+    @classmethod
+    def attach(cls, transport: Transport, geometry: RingGeometry) -> RingRegion:
+        """Map a region some creator initialised; refuse one built for another layout or geometry."""
+        if transport.size < 64:
+            raise ValueError(f"transport region of {transport.size} bytes is too small for a ring header")
+        have = np.frombuffer(transport.read(0, 64).ljust(CONTROL.itemsize, b"\0"), dtype=CONTROL)[0]
+        for name, want in geometry_header(geometry).items():
+            if int(have[name]) != want:
+                raise ValueError(
+                    f"shared region mismatch: header field {name} is {int(have[name])}, expected {want} "
+                    "(different protocol version or ring geometry on the two ends)"
+                )
+        return cls(transport, geometry)
+
+    # -- control words ----------------------------------------------------------------------------
+    def load(self, field: str) -> int:
+        return self.transport.load_u64(RingLayout.control(field))
+
+    def store(self, field: str, value: int) -> None:
+        self.transport.store_u64(RingLayout.control(field), value)
+
+    def doorbell(self, field: str, value: int) -> None:
+        self.transport.doorbell(RingLayout.control(field), value)
+
+    # -- request records --------------------------------------------------------------------------
+    def new_record(self) -> np.ndarray:
+        return np.zeros(1, dtype=self.layout.request)
+
+    def record_seq(self, position: int) -> int:
+        return self.transport.load_u64(self.layout.record(position))
+
+    def read_record(self, position: int) -> np.ndarray:
+        raw = self.transport.read(self.layout.record(position), self.layout.request.itemsize)
+        return np.frombuffer(raw, dtype=self.layout.request).copy()
+
+    def publish_record(self, position: int, record: np.ndarray) -> None:
+        """Write the payload, then the seq word (position + 1) with release semantics."""
+        offset = self.layout.record(position)
+        raw = record.tobytes()
+        self.transport.write(offset + 8, raw[8:])
+        self.transport.store_u64(offset, position + 1)
+
+    # -- token arena ------------------------------------------------------------------------------
+    def write_prompt(self, position: int, tokens: np.ndarray) -> None:
+        self.transport.write(self.layout.arena_at(position), np.ascontiguousarray(tokens, dtype="<i4"))
+
+    def read_prompt(self, position: int, n: int) -> np.ndarray:
+        return np.frombuffer(self.transport.read(self.layout.arena_at(position), 4 * n), dtype="<i4")
+
+    # -- output channels --------------------------------------------------------------------------
+    def ctl_table(self) -> np.ndarray:
+        raw = self.transport.read(self.layout.chan_ctl, CHANNEL_CTL.itemsize * self.geometry.max_inflight)
+        return np.frombuffer(raw, dtype=CHANNEL_CTL)
+
+    def progress_table(self) -> np.ndarray:
+        n = CHANNEL_PROGRESS.itemsize * self.geometry.max_inflight
+        return np.frombuffer(self.transport.read(self.layout.chan_prog, n), dtype=CHANNEL_PROGRESS)
+
+    def load_ctl(self, slot: int, field: str) -> int:
+        return self.transport.load_u64(self.layout.ctl(slot, field))
+
+    def store_ctl(self, slot: int, field: str, value: int) -> None:
+        self.transport.store_u64(self.layout.ctl(slot, field), value)
+
+    def load_progress(self, slot: int, field: str) -> int:
+        return self.transport.load_u64(self.layout.prog(slot, field))
+
+    def store_progress(self, slot: int, field: str, value: int) -> None:
+        self.transport.store_u64(self.layout.prog(slot, field), value)
+
+    def read_status(self, slot: int) -> np.void:
+        raw = self.transport.read(self.layout.stat(slot), CHANNEL_STATUS.itemsize)
+        return np.frombuffer(raw, dtype=CHANNEL_STATUS)[0]
+
+    def write_status(
+        self,
+        slot: int,
+        *,
+        finish_ns: int,
+        finish_code: int,
+        error_code: int,
+        terminal_token: bool,
+        detail: str,
+    ) -> None:
+        status = np.zeros(1, dtype=CHANNEL_STATUS)
+        status["finish_ns"] = finish_ns
+        status["finish_reason"] = finish_code
+        status["error_code"] = error_code
+        status["terminal_token"] = int(terminal_token)
+        status["error_detail"] = detail.encode("utf-8")[: CHANNEL_STATUS["error_detail"].itemsize]
+        self.transport.write(self.layout.stat(slot), status.tobytes())
+
+    def clear_status(self, slot: int) -> None:
+        self.transport.write(self.layout.stat(slot), bytes(CHANNEL_STATUS.itemsize))
+
+    def write_output_token(self, slot: int, index: int, token_id: int, time_ns: int) -> None:
+        self.transport.write(self.layout.token(slot, index), int(token_id).to_bytes(4, "little", signed=True))
+        self.transport.write(self.layout.time(slot, index), int(time_ns).to_bytes(8, "little"))
+
+    def read_output(self, slot: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        n = stop - start
+        tokens = np.frombuffer(self.transport.read(self.layout.token(slot, start), 4 * n), dtype="<i4")
+        times = np.frombuffer(self.transport.read(self.layout.time(slot, start), 8 * n), dtype="<u8")
+        return tokens, times
+
+    # -- telemetry (seqlock: odd while the engine writes) ------------------------------------------
+    def write_telemetry(self, values: dict[str, int]) -> None:
+        seq = self.load("telemetry_seq")
+        self.store("telemetry_seq", seq + 1)
+        block = np.array([int(values.get(name, 0)) for name in TELEMETRY_FIELDS], dtype="<u8")
+        self.transport.write(RingLayout.control("t_" + TELEMETRY_FIELDS[0]), block)
+        self.store("telemetry_seq", seq + 2)
+
+    def read_telemetry(self, attempts: int = 100) -> dict[str, int]:
+        start = RingLayout.control("t_" + TELEMETRY_FIELDS[0])
+        for _ in range(attempts):
+            before = self.load("telemetry_seq")
+            if before & 1:
+                continue
+            block = np.frombuffer(self.transport.read(start, 8 * len(TELEMETRY_FIELDS)), dtype="<u8")
+            if self.load("telemetry_seq") == before:
+                return {name: int(v) for name, v in zip(TELEMETRY_FIELDS, block, strict=True)}
+        raise TimeoutError("telemetry block kept changing while being read")

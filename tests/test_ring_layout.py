@@ -1,0 +1,162 @@
+"""The binary layout and the shared-memory transport."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink_appliance.transport.region import RingRegion
+from blink_appliance.transport.ring_layout import (
+    CHANNEL_CTL,
+    CHANNEL_PROGRESS,
+    CHANNEL_STATUS,
+    CONTROL,
+    MAGIC,
+    RingGeometry,
+    RingLayout,
+    region_size,
+)
+from blink_appliance.transport.shm_transport import RegionInUseError, ShmTransport
+from tests.test_ring_support import SMALL, unique_name
+
+PROTOCOL_MD = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+
+
+def _polled_words(dtype: np.dtype) -> list[tuple[str, int]]:
+    return [(n, off) for n, (t, off, *_) in dtype.fields.items() if t.base == np.dtype("<u8")]
+
+
+def test_every_u64_is_8_byte_aligned_and_sections_are_cache_line_aligned():
+    layout = RingLayout.of(
+        RingGeometry(
+            request_slots=3,
+            arena_tokens=7,
+            max_prompt_tokens=5,
+            max_inflight=5,
+            max_output_tokens=3,
+            max_stop_ids=3,
+        )
+    )
+    for dtype in (CONTROL, layout.request, CHANNEL_CTL, CHANNEL_PROGRESS, CHANNEL_STATUS):
+        assert dtype.itemsize % 8 == 0
+        for name, offset in _polled_words(dtype):
+            assert offset % 8 == 0, name
+    for section in ("records", "arena", "chan_ctl", "chan_prog", "chan_stat", "tokens", "times"):
+        assert getattr(layout, section) % 64 == 0, section
+    assert layout.request.fields["seq"][1] == 0  # the word written last opens the record
+    assert layout.size == region_size(layout.geometry)
+    sections = sorted(
+        [
+            layout.records,
+            layout.arena,
+            layout.chan_ctl,
+            layout.chan_prog,
+            layout.chan_stat,
+            layout.tokens,
+            layout.times,
+        ]
+    )
+    assert sections[0] >= CONTROL.itemsize and len(set(sections)) == 7
+
+
+def test_geometry_rejects_bad_capacities():
+    with pytest.raises(ValueError, match="max_inflight"):
+        RingGeometry(max_inflight=0)
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        RingGeometry(arena_tokens=16, max_prompt_tokens=32)
+
+
+def test_protocol_md_tables_match_the_layout():
+    """docs/protocol.md lists `| offset | field | type |` rows; each must match the dtypes."""
+    text = PROTOCOL_MD.read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (\w+)", text, flags=re.M)
+    assert len(rows) > 40
+    known = {}
+    for dtype in (CONTROL, RingLayout.of(SMALL).request, CHANNEL_CTL, CHANNEL_PROGRESS, CHANNEL_STATUS):
+        for name, (_kind, off, *_) in dtype.fields.items():
+            known.setdefault(name, set()).add(off)
+    for offset, name, _kind in rows:
+        assert name in known, f"protocol.md names unknown field {name}"
+        assert int(offset) in known[name], f"protocol.md: {name} at {offset}, layout says {known[name]}"
+
+
+def test_region_create_and_attach_checks_geometry():
+    name = unique_name()
+    transport = ShmTransport.create(name, region_size(SMALL))
+    try:
+        RingRegion.create(transport, SMALL)
+        assert transport.load_u64(0) == MAGIC
+        RingRegion.attach(transport, SMALL)
+        other = RingGeometry(**{**SMALL.__dict__, "max_output_tokens": 32})
+        with pytest.raises(ValueError, match="max_output_tokens"):
+            RingRegion.attach(transport, other)
+    finally:
+        transport.close()
+
+
+def test_shm_transport_roundtrip_and_bounds():
+    transport = ShmTransport.create(unique_name(), 4096)
+    try:
+        transport.store_u64(64, 2**64 - 1)
+        assert transport.load_u64(64) == 2**64 - 1
+        transport.write(100, b"abc")
+        assert transport.read(99, 5) == b"\0abc\0"
+        with pytest.raises(ValueError, match="aligned"):
+            transport.load_u64(4)
+        with pytest.raises(ValueError, match="outside"):
+            transport.write(4094, b"xyz")
+    finally:
+        transport.close()
+
+
+def _open_write_exit(name: str) -> None:
+    t = ShmTransport.open(name)
+    t.store_u64(8, 42)
+    t.close()
+
+
+def _create_and_crash(name: str) -> None:
+    ShmTransport.create(name, 4096).store_u64(0, 7)
+    import os
+
+    os._exit(0)  # no close: the segment stays behind, its owner gone
+
+
+def test_other_process_closing_does_not_unlink_and_owner_close_does():
+    ctx = mp.get_context("spawn")
+    name = unique_name()
+    owner = ShmTransport.create(name, 4096)
+    try:
+        p = ctx.Process(target=_open_write_exit, args=(name,))
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0
+        assert owner.load_u64(8) == 42
+        again = ShmTransport.open(name)  # still there after the other process exited
+        again.close()
+    finally:
+        owner.close()
+    with pytest.raises(FileNotFoundError):
+        ShmTransport.open(name)
+
+
+def test_stale_segment_is_replaced_and_live_one_is_refused():
+    ctx = mp.get_context("spawn")
+    name = unique_name()
+    p = ctx.Process(target=_create_and_crash, args=(name,))
+    p.start()
+    p.join(30)
+    stale = ShmTransport.open(name)
+    assert stale.load_u64(0) == 7
+    stale.close()
+    fresh = ShmTransport.create(name, 4096)  # owner dead -> replaced, zeroed
+    try:
+        assert fresh.load_u64(0) == 0
+        with pytest.raises(RegionInUseError, match="in use"):
+            ShmTransport.create(name, 4096)
+    finally:
+        fresh.close()

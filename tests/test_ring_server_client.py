@@ -1,0 +1,394 @@
+"""Front end and engine over one shared region, in one process (engine loop in a thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blink_appliance.engine.request import FinishReason, SamplingParams
+from blink_appliance.transport.engine_client import EngineBusyError, EngineClient, EngineDeadError
+from blink_appliance.transport.region import RingRegion
+from blink_appliance.transport.ring_layout import EngineState, ErrorCode, RingGeometry, RingLayout
+from tests.test_ring_support import (
+    SMALL,
+    VOCAB,
+    CounterEngine,
+    RawProducer,
+    expected_events,
+    server_thread,
+    shm_region,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+RECORD_BYTES = RingLayout.of(SMALL).request.itemsize
+
+
+@contextlib.asynccontextmanager
+async def client_for(transport, geometry: RingGeometry = SMALL, **options):
+    client = EngineClient.attach(transport, geometry, **options)
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def collect(client: EngineClient, request_id: int):
+    return [event async for event in client.stream(request_id)]
+
+
+async def submit_when_free(client: EngineClient, prompt, params):
+    while True:
+        try:
+            return client.submit(prompt, params)
+        except EngineBusyError:
+            await asyncio.sleep(0.001)
+
+
+async def test_requests_get_exactly_their_tokens_and_one_terminal_event():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB - 1, size=int(rng.integers(1, 200))).tolist() for _ in range(100)]
+    lengths = [int(rng.integers(1, 40)) for _ in prompts]
+    with shm_region() as transport, server_thread(CounterEngine(max_running=8), transport):
+        async with client_for(transport) as client:
+
+            async def one(prompt, n):
+                rid = await submit_when_free(client, prompt, SamplingParams(temperature=0.0, max_tokens=n))
+                return await collect(client, rid)
+
+            results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths, strict=True)))
+            telemetry = client.telemetry()
+    for prompt, n, events in zip(prompts, lengths, results, strict=True):
+        assert [e.token_id for e in events] == expected_events(prompt, n)
+        assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
+        assert events[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        assert events[-1].error is None
+        assert all(e.timestamp_ns > 0 for e in events)
+    assert telemetry["requests_admitted"] >= 90 and telemetry["engine_alive"] == 1
+
+
+async def test_stop_ids_priority_and_sampling_fields_reach_the_engine():
+    engine = CounterEngine()
+    prompt = [10, 20, 30]
+    stop = expected_events(prompt, 10)[3]
+    params = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=123,
+        max_tokens=10,
+        stop_token_ids=(stop,),
+        ignore_eos=True,
+    )
+    seen = []
+    original = engine.add_request
+    engine.add_request = lambda req: (seen.append(req), original(req))[1]
+    with shm_region() as transport, server_thread(engine, transport):
+        async with client_for(transport) as client:
+            events = await collect(client, client.submit(prompt, params, priority=-3))
+    assert seen[0].params == params and seen[0].priority == -3 and seen[0].prompt_token_ids == prompt
+    assert [e.token_id for e in events] == expected_events(prompt, 10)[:4]
+    assert events[-1].finish_reason is FinishReason.STOP and events[-1].token_id == stop
+
+
+async def test_full_inflight_slots_give_busy_immediately():
+    engine = CounterEngine(max_running=2, step_delay_s=0.01)
+    geometry = dataclasses.replace(SMALL, request_slots=64)  # the ring is not what runs out here
+    with shm_region(geometry) as transport, server_thread(engine, transport, geometry):
+        async with client_for(transport, geometry) as client:
+            ids = [client.submit([5], SamplingParams(max_tokens=64)) for _ in range(SMALL.max_inflight)]
+            t0 = time.perf_counter()
+            with pytest.raises(EngineBusyError, match="in-flight"):
+                client.submit([5], GREEDY)
+            assert time.perf_counter() - t0 < 0.05
+            for rid in ids:
+                client.cancel(rid)
+            ends = await asyncio.gather(*(collect(client, rid) for rid in ids))
+            assert all(e[-1].finish_reason is FinishReason.ABORT for e in ends)
+            # Slots come back once their terminal events are read.
+            assert await collect(client, client.submit([5], GREEDY))
+
+
+@contextlib.contextmanager
+def fake_live_engine(transport):
+    """A heartbeat and RUNNING state but nobody consuming: the ring can only fill up."""
+    region = RingRegion.attach(transport, transport_geometry[id(transport)])
+    region.store("engine_state", EngineState.RUNNING)
+    stop = False
+
+    async def beat():
+        while not stop:
+            region.store("engine_heartbeat_ns", time.monotonic_ns())
+            await asyncio.sleep(0.01)
+
+    task = asyncio.get_running_loop().create_task(beat())
+    try:
+        yield region
+    finally:
+        stop = True
+        task.cancel()
+
+
+transport_geometry: dict[int, RingGeometry] = {}
+
+
+@pytest.mark.parametrize(
+    "geometry, prompt_len, expect",
+    [
+        (
+            RingGeometry(
+                request_slots=4,
+                arena_tokens=4096,
+                max_prompt_tokens=64,
+                max_inflight=32,
+                max_output_tokens=8,
+                max_stop_ids=2,
+            ),
+            3,
+            "request ring full",
+        ),
+        (
+            RingGeometry(
+                request_slots=16,
+                arena_tokens=512,
+                max_prompt_tokens=256,
+                max_inflight=32,
+                max_output_tokens=8,
+                max_stop_ids=2,
+            ),
+            200,
+            "arena full",
+        ),
+    ],
+)
+async def test_full_ring_or_arena_gives_busy_and_never_overwrites(geometry, prompt_len, expect):
+    with shm_region(geometry) as transport:
+        transport_geometry[id(transport)] = geometry
+        with fake_live_engine(transport) as region:
+            async with client_for(transport, geometry) as client:
+                ids = []
+                with pytest.raises(EngineBusyError, match=expect):
+                    for i in range(100):
+                        ids.append(client.submit([i + 1] * prompt_len, GREEDY))
+                before = [region.read_record(i)[0].tobytes() for i in range(len(ids))]
+                arena = region.transport.read(region.layout.arena, 4 * geometry.arena_tokens)
+                for _ in range(3):
+                    with pytest.raises(EngineBusyError):
+                        client.submit([7] * prompt_len, GREEDY)
+                assert [region.read_record(i)[0].tobytes() for i in range(len(ids))] == before
+                assert region.transport.read(region.layout.arena, 4 * geometry.arena_tokens) == arena
+                for i, rid in enumerate(ids):
+                    rec = region.read_record(i)[0]
+                    assert int(rec["seq"]) == i + 1 and int(rec["request_id"]) == rid
+                    assert (
+                        region.read_prompt(int(rec["prompt_offset"]), prompt_len).tolist()
+                        == [i + 1] * prompt_len
+                    )
+
+
+async def test_cancel_mid_generation_aborts_within_one_step():
+    engine = CounterEngine(max_running=4, step_delay_s=0.005)
+    aborted_at = {}
+    original = engine.abort
+    engine.abort = lambda rid: (aborted_at.setdefault(rid, engine.steps), original(rid))[1]
+    with shm_region() as transport, server_thread(engine, transport):
+        async with client_for(transport) as client:
+            rid = client.submit([9, 9], SamplingParams(max_tokens=60))
+            events = []
+            async for event in client.stream(rid):
+                events.append(event)
+                if len(events) == 3:
+                    cancelled_at = engine.steps
+                    client.cancel(rid)
+            assert events[-1].finish_reason is FinishReason.ABORT and events[-1].error is None
+            assert aborted_at[rid] <= cancelled_at + 1
+            assert rid not in engine.running
+            assert engine.stats().kv_blocks_used == 0
+            assert len(events) < 10
+
+
+async def test_leaving_a_stream_early_cancels_the_request():
+    engine = CounterEngine(step_delay_s=0.005)
+    with shm_region() as transport, server_thread(engine, transport):
+        async with client_for(transport) as client:
+            rid = client.submit([4], SamplingParams(max_tokens=60))
+            async with contextlib.aclosing(client.stream(rid)) as stream:
+                async for _ in stream:
+                    break
+            deadline = time.monotonic() + 2
+            while rid not in engine.aborted and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert rid in engine.aborted
+
+
+async def test_engine_rejection_and_client_validation():
+    with shm_region() as transport, server_thread(CounterEngine(), transport):
+        async with client_for(transport) as client:
+            events = await collect(client, client.submit([VOCAB - 1, 3], GREEDY))
+            assert len(events) == 1 and events[0].finish_reason is FinishReason.ERROR
+            assert "engine_rejected" in events[0].error and "refuses" in events[0].error
+            events = await collect(client, client.submit([VOCAB + 5], GREEDY))
+            assert events[0].finish_reason is FinishReason.ERROR and "token_out_of_vocab" in events[0].error
+            with pytest.raises(ValueError, match="max_tokens"):
+                client.submit([1], SamplingParams(max_tokens=SMALL.max_output_tokens + 1))
+            with pytest.raises(ValueError, match="top_p"):
+                client.submit([1], SamplingParams(top_p=0.0))
+            with pytest.raises(ValueError, match="prompt"):
+                client.submit([], GREEDY)
+            assert [e.token_id for e in await collect(client, client.submit([3], GREEDY))] == expected_events(
+                [3], 8
+            )
+
+
+async def test_shutdown_aborts_in_flight_and_client_sees_engine_stop():
+    engine = CounterEngine(step_delay_s=0.005)
+    with shm_region() as transport, server_thread(engine, transport) as server:
+        async with client_for(transport) as client:
+            rid = client.submit([4], SamplingParams(max_tokens=60))
+            stream = client.stream(rid)
+            await stream.__anext__()
+            server.region.store("shutdown", 1)
+            rest = [e async for e in stream]
+            assert rest[-1].finish_reason is FinishReason.ABORT and "shutdown" in rest[-1].error
+            deadline = time.monotonic() + 2
+            while client.engine_alive and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert server.region.load("engine_state") == EngineState.STOPPED
+            with pytest.raises(EngineDeadError):
+                client.submit([1], GREEDY)
+
+
+async def test_frontend_heartbeat_stale_reclaims_its_requests_and_a_new_frontend_gets_the_slots():
+    engine = CounterEngine(max_running=2, step_delay_s=0.005)
+    geometry = dataclasses.replace(SMALL, request_slots=64)
+    with (
+        shm_region(geometry) as transport,
+        server_thread(engine, transport, geometry, frontend_timeout_s=0.3) as server,
+    ):
+        dead = EngineClient.attach(transport, geometry)
+        await dead.start()
+        ids = [dead.submit([6], SamplingParams(max_tokens=64)) for _ in range(SMALL.max_inflight)]
+        dead._pump.cancel()  # the front end stops beating (as if its process hung or died)
+        deadline = time.monotonic() + 5
+        while not all(i in engine.aborted for i in ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert sorted(engine.aborted) == sorted(ids)
+        assert server._live == {}
+        async with client_for(transport, geometry) as fresh:
+            new_ids = [fresh.submit([6], GREEDY) for _ in range(SMALL.max_inflight)]  # every slot is free
+            assert len(set(new_ids) & set(ids)) == 0
+            for rid in new_ids:
+                assert [e.token_id for e in await collect(fresh, rid)] == expected_events([6], 8)
+
+
+# -- malformed records -----------------------------------------------------------------------------
+
+MUTATIONS = [
+    ({"prompt_len": 0}, ErrorCode.PROMPT_LENGTH),
+    ({"prompt_len": SMALL.max_prompt_tokens + 1}, ErrorCode.PROMPT_LENGTH),
+    ({"prompt_offset": 10**9}, ErrorCode.BAD_RECORD),
+    ({"arena_end": 10**9}, ErrorCode.BAD_RECORD),
+    ({"n_stop": SMALL.max_stop_ids + 1}, ErrorCode.STOP_IDS),
+    ({"n_stop": 1, "stop_ids": [VOCAB, 0, 0, 0]}, ErrorCode.STOP_IDS),
+    ({"max_tokens": 0}, ErrorCode.MAX_TOKENS),
+    ({"max_tokens": SMALL.max_output_tokens + 1}, ErrorCode.MAX_TOKENS),
+    ({"temperature": -1.0}, ErrorCode.INVALID_PARAMS),
+    ({"temperature": float("nan")}, ErrorCode.INVALID_PARAMS),
+    ({"top_p": float("inf")}, ErrorCode.INVALID_PARAMS),
+    ({"top_p": 0.0}, ErrorCode.INVALID_PARAMS),
+    ({"top_k": -2}, ErrorCode.INVALID_PARAMS),
+    ({"min_p": 1.5}, ErrorCode.INVALID_PARAMS),
+    ({"has_seed": 3}, ErrorCode.INVALID_PARAMS),
+    ({"has_seed": 1, "seed": 2**63 + 1}, ErrorCode.INVALID_PARAMS),
+    ({"ignore_eos": 7}, ErrorCode.INVALID_PARAMS),
+]
+
+
+@pytest.fixture(scope="module")
+def serving_region():
+    engine = CounterEngine()
+    with shm_region() as transport, server_thread(engine, transport, frontend_timeout_s=600) as server:
+        yield RawProducer(server.region), server
+
+
+def wait_done(region: RingRegion, slot: int, generation: int, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while region.load_progress(slot, "done") != generation:
+        assert time.monotonic() < deadline, "engine did not finish the record"
+        time.sleep(0.0005)
+    return region.read_status(slot), region.load_progress(slot, "count")
+
+
+def check_still_serving(producer: RawProducer):
+    slot, gen = producer.publish([11, 12])
+    status, count = wait_done(producer.region, slot, gen)
+    assert int(status["error_code"]) == ErrorCode.NONE and count == 4
+    tokens, _ = producer.region.read_output(slot, 0, 4)
+    assert tokens.tolist() == expected_events([11, 12], 4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    mutation=st.sampled_from(MUTATIONS),
+    prompt=st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=32),
+)
+def test_malformed_record_gets_its_error_code_and_engine_keeps_serving(serving_region, mutation, prompt):
+    producer, _server = serving_region
+    overrides, code = mutation
+    slot, gen = producer.publish(prompt, overrides=overrides)
+    status, count = wait_done(producer.region, slot, gen)
+    assert int(status["error_code"]) == code, bytes(status["error_detail"])
+    assert int(status["finish_reason"]) == 4 and count == 0
+    check_still_serving(producer)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    bad_token=st.one_of(st.integers(VOCAB, 2**31 - 1), st.integers(-(2**31), -1)),
+    where=st.integers(0, 15),
+)
+def test_prompt_token_outside_vocab_is_rejected(serving_region, bad_token, where):
+    producer, _server = serving_region
+    prompt = [5] * 16
+    prompt[where] = bad_token
+    slot, gen = producer.publish(prompt)
+    status, _ = wait_done(producer.region, slot, gen)
+    assert int(status["error_code"]) == ErrorCode.TOKEN_OUT_OF_VOCAB
+    assert f"position {where}" in bytes(status["error_detail"]).decode()
+    check_still_serving(producer)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=st.binary(min_size=RECORD_BYTES - 8, max_size=RECORD_BYTES - 8), addressable=st.booleans())
+def test_random_record_bytes_never_stop_the_engine(serving_region, payload, addressable):
+    producer, server = serving_region
+    record = np.frombuffer(bytes(8) + payload, dtype=producer.region.layout.request)[0]
+    overrides = {name: record[name] for name in record.dtype.names if name != "seq"}
+    before = server._counters["records_unaddressable"]
+    slot = producer.next_slot % SMALL.max_inflight
+    if addressable:
+        overrides["slot"] = slot
+        overrides["generation"] = producer.region.load_ctl(slot, "generation") + 1
+    slot_written, gen = producer.publish([1, 2, 3], overrides=overrides)
+    if addressable:
+        status, _ = wait_done(producer.region, slot_written, gen)
+        assert int(status["finish_reason"]) in (2, 4)  # LENGTH (it happened to be valid) or ERROR
+        if int(status["finish_reason"]) == 4:
+            assert int(status["error_code"]) != ErrorCode.NONE
+    else:
+        deadline = time.monotonic() + 5
+        while server._tail < producer.head:
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        claimed = int(record["slot"]) == slot_written and int(record["generation"]) == gen
+        if not claimed:
+            assert server._counters["records_unaddressable"] == before + 1
+    check_still_serving(producer)
