@@ -35,6 +35,7 @@ class EngineCounters(BaseModel):
     generated_tokens: int | None = Field(
         None, validation_alias=AliasChoices("generated_tokens", "tokens_generated", "output_tokens")
     )
+    last_step_ns: int | None = None  # duration of the engine's latest step
     sm_partition: int | None = Field(None, validation_alias=AliasChoices("sm_partition", "num_sms", "sms"))
     device: str | None = None
 

@@ -1,0 +1,221 @@
+"""The dashboard, headless (Textual pilot), against a real aiohttp server serving the telemetry
+routes from a real TelemetrySource whose engine counters and latency tracker the test drives."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from aiohttp import web
+from blink_appliance.dpu.telemetry_routes import add_telemetry_routes
+from blink_appliance.tui.app import BlinkDashboard
+from blink_appliance.tui.client import Backoff
+from blink_appliance.tui.widgets import CoreHeatStrip, GpuPanel, HostPanel, ModelPanel, StatusBar, UsageBar
+from rich.text import Text
+from textual.pilot import Pilot
+from textual.widget import Widget
+from textual.widgets import Sparkline
+
+from blink_appliance.telemetry import TelemetrySource
+
+MS = 1_000_000
+
+
+class Engines:
+    """Counters for two models, as the engine client would report them."""
+
+    def __init__(self) -> None:
+        self.values = {
+            "tiny": {
+                "running": 1,
+                "waiting": 0,
+                "kv_blocks_used": 8,
+                "kv_blocks_total": 64,
+                "steps": 10,
+                "generated_tokens": 10,
+                "device": "cpu",
+            },
+            "small": {
+                "running": 2,
+                "waiting": 4,
+                "kv_blocks_used": 30,
+                "kv_blocks_total": 60,
+                "steps": 5,
+                "generated_tokens": 5,
+                "device": "cpu",
+            },
+        }
+
+    def __call__(self) -> dict[str, dict]:
+        return {name: dict(v) for name, v in self.values.items()}
+
+
+def text_of(widget: Widget) -> str:
+    rendered = (
+        widget.render()
+        if isinstance(widget, StatusBar | GpuPanel | UsageBar | CoreHeatStrip)
+        else widget.content
+    )
+    return rendered.plain if isinstance(rendered, Text) else str(rendered)
+
+
+def model_text(app: BlinkDashboard) -> str:
+    panel = app.query_one(ModelPanel)
+    texts = [text_of(w) for w in panel.children if not isinstance(w, Sparkline)]
+    return "\n".join([panel.border_title or "", *texts])
+
+
+def panel_steps(app: BlinkDashboard) -> str:
+    return app.query_one(ModelPanel).border_subtitle or ""
+
+
+def host_text(app: BlinkDashboard) -> str:
+    return "\n".join(text_of(w) for w in app.query_one(HostPanel).children)
+
+
+async def wait_until(pilot: Pilot, condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.05)
+
+
+def make_app(source: TelemetrySource) -> web.Application:
+    app = web.Application()
+    add_telemetry_routes(app, source)
+    return app
+
+
+def record_stream(source: TelemetrySource, model: str, ttft_ms: float, gaps_ms: list[float]) -> None:
+    """A request's tokens as the front end stamps them (ending now)."""
+    tracker = source.latency(model)
+    now = time.monotonic_ns()
+    first = now - int(sum(gaps_ms) * MS)
+    tracker.record_first_token(first - int(ttft_ms * MS), first)
+    prev = first
+    for gap in gaps_ms:
+        tracker.record_token(prev, prev + int(gap * MS))
+        prev += int(gap * MS)
+    tracker.record_request_done(first, prev, len(gaps_ms) + 1)
+
+
+@pytest.fixture
+def engines() -> Engines:
+    return Engines()
+
+
+@pytest.fixture
+def source(engines: Engines) -> TelemetrySource:
+    return TelemetrySource(engines, models=["tiny", "small"], interval_s=0.1)
+
+
+def dashboard(url: str) -> BlinkDashboard:
+    return BlinkDashboard(url, backoff=Backoff(initial_s=0.1, maximum_s=0.3))
+
+
+async def test_panels_show_live_changing_numbers(
+    aiohttp_server, source: TelemetrySource, engines: Engines
+) -> None:
+    server = await aiohttp_server(make_app(source))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.connection == "live" and app.snapshot is not None)
+        text = model_text(app)
+        assert "model tiny · cpu" in text
+        assert "batch 1  queue 0" in text and panel_steps(app) == "10 steps"
+        assert "KV" in text and "8/64 blocks 12%" in text
+        assert "ITL  p50 —" in text  # no tokens yet: nothing, not zero
+        assert "SMs n/a" in text  # CPU engine: no SM partition
+        assert "● live" in text_of(app.query_one(StatusBar))
+
+        engines.values["tiny"].update(
+            running=6, waiting=3, steps=250, kv_blocks_used=48, last_step_ns=4_500_000
+        )
+        record_stream(source, "tiny", ttft_ms=85.0, gaps_ms=[20.0] * 30)
+        await wait_until(
+            pilot, lambda: "batch 6" in model_text(app) and "ITL  p50 20.0 ms" in model_text(app)
+        )
+        text = model_text(app)
+        assert "queue 3  step 4.5 ms" in text and panel_steps(app) == "250 steps"
+        assert "48/64 blocks 75%" in text
+        assert "TTFT p50 85.0 ms" in text
+        assert "TPOT p50 20.0 ms" in text
+        assert "total 31" in text
+
+        # More tokens, slower: the numbers keep moving.
+        record_stream(source, "tiny", ttft_ms=120.0, gaps_ms=[40.0] * 60)
+        await wait_until(pilot, lambda: "total 92" in model_text(app))
+        assert "ITL  p50 40.0 ms" in model_text(app)
+
+        # The sparklines fill in as whole seconds of history complete.
+        rate_spark = app.query_one("#rate-spark", Sparkline)
+        itl_spark = app.query_one("#itl-spark", Sparkline)
+        await wait_until(pilot, lambda: bool(rate_spark.data) and max(rate_spark.data) > 0)
+        assert itl_spark.data and max(itl_spark.data) >= 20.0
+
+        host = host_text(app)
+        assert "interference ●" in host and "sched p50" in host
+        assert len(app.query_one(CoreHeatStrip).loads) == len(app.snapshot.host.cpu_percent_per_core)
+        if not app.snapshot.gpu.available:
+            assert "util n/a  mem n/a" in text_of(app.query_one(GpuPanel))
+            assert "energy/token n/a" in text_of(app.query_one(GpuPanel))
+
+
+async def test_keys_switch_model_pause_and_quit(
+    aiohttp_server, source: TelemetrySource, engines: Engines
+) -> None:
+    server = await aiohttp_server(make_app(source))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.snapshot is not None)
+        assert "model tiny" in model_text(app)
+        await pilot.press("tab")
+        assert "model small" in model_text(app)
+        assert "batch 2  queue 4" in model_text(app)
+        await pilot.press("m")
+        assert "model tiny" in model_text(app)
+
+        await pilot.press("p")
+        assert "paused" in text_of(app.query_one(StatusBar))
+        engines.values["tiny"]["running"] = 9
+        received = app.snapshots_received
+        await wait_until(pilot, lambda: app.snapshots_received >= received + 3)
+        assert "batch 1" in model_text(app)  # frozen while paused
+        await pilot.press("p")
+        await wait_until(pilot, lambda: "batch 9" in model_text(app))
+
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_disconnect_and_reconnect(aiohttp_server, source: TelemetrySource, engines: Engines) -> None:
+    server = await aiohttp_server(make_app(source))
+    port = server.port
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.connection == "live" and app.snapshot is not None)
+        await server.close()  # the appliance goes away
+        await wait_until(pilot, lambda: app.connection == "disconnected")
+        status = text_of(app.query_one(StatusBar))
+        assert "○ disconnected" in status and "retry in" in status
+        assert app.query_one("#body").has_class("-stale")
+        assert "batch 1" in model_text(app)  # last numbers stay visible, greyed
+
+        engines.values["tiny"]["running"] = 7
+        await aiohttp_server(make_app(source), port=port)  # the appliance restarts
+        await wait_until(pilot, lambda: app.connection == "live" and "batch 7" in model_text(app))
+        assert not app.query_one("#body").has_class("-stale")
+
+
+async def test_unreachable_appliance_shows_disconnected() -> None:
+    app = dashboard("http://127.0.0.1:9")  # discard port: nothing listens
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.connection == "disconnected")
+        assert "connection refused" in text_of(app.query_one(StatusBar))
+        assert "no models reported yet" in model_text(app)
+        assert "n/a" in host_text(app)
+        await asyncio.sleep(0)

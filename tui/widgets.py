@@ -1,0 +1,327 @@
+"""The dashboard's widgets. Each holds its data in reactive attributes and redraws when they change;
+layout and colours live in dashboard.tcss."""
+
+from __future__ import annotations
+
+from blink_appliance.tui import formatting as fmt
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import Sparkline, Static
+
+from blink_appliance.telemetry.snapshot import GpuStats, HostStats, ModelTelemetry
+
+LEVELS = "▁▂▃▄▅▆▇█"
+
+
+def load_style(percent: float) -> str:
+    """Colour for a 0-100 load: green when idle, red when saturated."""
+    if percent < 25:
+        return "green"
+    if percent < 50:
+        return "yellow3"
+    if percent < 75:
+        return "dark_orange"
+    return "red"
+
+
+def _line(*parts: tuple[str, str] | str) -> Text:
+    """A line of (text, style) pairs; plain strings are values, labels come in dim."""
+    return Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
+
+
+def _lines(lines: list[Text]) -> Text:
+    text = Text("\n").join(lines)
+    text.no_wrap, text.overflow = True, "ellipsis"
+    return text
+
+
+def _label(text: str) -> tuple[str, str]:
+    return (text, "dim")
+
+
+class StatusBar(Static):
+    """Connection state, the model tabs, uptime and pause."""
+
+    connection: reactive[str] = reactive("connecting")  # connecting | live | disconnected
+    detail: reactive[str] = reactive("")
+    models: reactive[tuple[str, ...]] = reactive(())
+    selected: reactive[int] = reactive(0)
+    paused: reactive[bool] = reactive(False)
+    uptime_s: reactive[float | None] = reactive(None)
+
+    def render(self) -> Text:
+        marks = {
+            "live": ("● live", "bold green"),
+            "connecting": ("◌ connecting", "bold yellow"),
+            "disconnected": ("○ disconnected", "bold red"),
+        }
+        mark, style = marks.get(self.connection, (self.connection, "bold"))
+        parts: list[tuple[str, str] | str] = [(mark, style)]
+        if self.detail:
+            parts.append((f" {self.detail}", "red" if self.connection == "disconnected" else "dim"))
+        if self.paused:
+            parts.append(("  ⏸ paused", "bold yellow"))
+        parts.append(_label("  models "))
+        if not self.models:
+            parts.append(fmt.NONE_YET)
+        for i, name in enumerate(self.models):
+            parts.append((f" {name} ", "reverse bold" if i == self.selected else ""))
+        if self.uptime_s is not None:
+            parts += [_label("  up "), fmt.duration(self.uptime_s)]
+        return _line(*parts)
+
+
+class UsageBar(Widget):
+    """A labelled horizontal bar: used / total."""
+
+    used: reactive[int | None] = reactive(None)
+    total: reactive[int | None] = reactive(None)
+
+    def __init__(self, label: str, unit: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.label = label
+        self.unit = unit
+
+    def render(self) -> Text:
+        head = f"{self.label} "
+        if self.used is None or not self.total:
+            return _line(_label(head), fmt.NA)
+        frac = min(1.0, max(0.0, self.used / self.total))
+        tail = f" {self.used}/{self.total}{self.unit} {frac * 100:.0f}%"
+        width = max(4, self.size.width - len(head) - len(tail))
+        filled = round(frac * width)
+        return _line(
+            _label(head), ("█" * filled, load_style(frac * 100)), ("░" * (width - filled), "dim"), tail
+        )
+
+
+class ModelPanel(Vertical):
+    """One model: latencies with sparklines, throughput, batch/queue, KV, its GPU share."""
+
+    model: reactive[ModelTelemetry | None] = reactive(None)
+    gpu: reactive[GpuStats | None] = reactive(None)
+    energy_per_token_j: reactive[float | None] = reactive(None)
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="itl")
+        yield Sparkline([], id="itl-spark")
+        yield Static(id="tpot")
+        yield Static(id="ttft")
+        yield Static(id="rate")
+        yield Sparkline([], id="rate-spark")
+        yield Static(id="batch")
+        yield UsageBar("KV", " blocks", id="kv")
+        yield Static(id="gpu-share")
+
+    def on_mount(self) -> None:
+        self._draw()
+
+    def watch_model(self) -> None:
+        self._show()
+
+    def watch_gpu(self) -> None:
+        self._show()
+
+    def watch_energy_per_token_j(self) -> None:
+        self._show()
+
+    def _show(self) -> None:
+        # Watchers can fire before mount (children not composed yet); on_mount draws then.
+        if self.is_mounted:
+            self._draw()
+
+    def _draw(self) -> None:
+        m = self.model
+        if m is None:
+            self.border_title, self.border_subtitle = "model", ""
+            self.query_one("#itl", Static).update(_line("no models reported yet"))
+            for static in self.query(Static).exclude("#itl"):
+                static.update("")
+            for spark in self.query(Sparkline):
+                spark.data = []
+            kv = self.query_one("#kv", UsageBar)
+            kv.used = kv.total = None
+            return
+        engine = m.engine
+        device = engine.device if engine and engine.device else fmt.NA
+        self.border_title = f"model {m.name} · {device}"
+        self.border_subtitle = f"{engine.steps} steps" if engine and engine.steps is not None else ""
+        lat = m.latency
+        self.query_one("#itl", Static).update(
+            _line(_label("ITL  p50 "), fmt.ms(lat.itl_p50_ms), _label("  p99 "), fmt.ms(lat.itl_p99_ms))
+        )
+        # Buckets before the first token hold no latency (0.0): leave them out rather than draw 0 ms.
+        itl = lat.itl_history_ms
+        first = next((i for i, v in enumerate(itl) if v > 0), len(itl))
+        self.query_one("#itl-spark", Sparkline).data = itl[first:]
+        self.query_one("#tpot", Static).update(
+            _line(_label("TPOT p50 "), fmt.ms(lat.tpot_p50_ms), _label("  p99 "), fmt.ms(lat.tpot_p99_ms))
+        )
+        self.query_one("#ttft", Static).update(
+            _line(_label("TTFT p50 "), fmt.ms(lat.ttft_p50_ms), _label("  p99 "), fmt.ms(lat.ttft_p99_ms))
+        )
+        self.query_one("#rate", Static).update(
+            _line(
+                _label("tokens/s "),
+                (fmt.rate(lat.tokens_per_s), "bold"),
+                _label(f"  ({lat.window_s:.0f} s)  total "),
+                str(lat.total_tokens),
+            )
+        )
+        self.query_one("#rate-spark", Sparkline).data = lat.tokens_per_s_history
+        if engine is None:
+            reason = m.engine_error or "engine counters not reported"
+            batch = _line(_label("batch "), fmt.NA, _label("  queue "), fmt.NA, (f"  {reason}", "red"))
+        else:
+            batch = _line(
+                _label("batch "),
+                (fmt.number(engine.running), "bold"),
+                _label("  queue "),
+                (fmt.number(engine.waiting), "bold"),
+                _label("  step "),
+                fmt.ms(engine.last_step_ns / 1e6 if engine.last_step_ns else None),
+            )
+        self.query_one("#batch", Static).update(batch)
+        kv = self.query_one("#kv", UsageBar)
+        kv.used = engine.kv_blocks_used if engine else None
+        kv.total = engine.kv_blocks_total if engine else None
+        gpu = self.gpu
+        sms = engine.sm_partition if engine else None
+        share: list[tuple[str, str] | str] = [_label("SMs "), fmt.number(sms), _label("  GPU ")]
+        if gpu is None or not gpu.available:
+            share.append(fmt.NA)
+        else:
+            share += [
+                fmt.number(gpu.gpu_util_percent, "{:.0f}%"),
+                "  ",
+                fmt.number(gpu.power_w, "{:.0f} W"),
+                "  ",
+                fmt.joules(self.energy_per_token_j, fmt.NONE_YET),
+                _label("/token"),
+            ]
+        self.query_one("#gpu-share", Static).update(_line(*share))
+
+
+class GpuPanel(Static):
+    """Device-wide NVML readings; every line says n/a without NVML."""
+
+    gpu: reactive[GpuStats | None] = reactive(None)
+    energy_per_token_j: reactive[float | None] = reactive(None)
+
+    def render(self) -> Text:
+        g = self.gpu or GpuStats(available=False, reason="no data yet")
+        self.border_title = f"GPU · {g.name}" if g.name else "GPU"
+        na = fmt.NA
+        power = fmt.number(g.power_w, "{:.0f}")
+        if g.power_limit_w is not None:
+            power += f" / {g.power_limit_w:.0f}"
+        memory = fmt.number(g.memory_used_mib and g.memory_used_mib / 1024, "{:.1f}")
+        if g.memory_total_mib is not None:
+            memory += f" / {g.memory_total_mib / 1024:.1f} GiB"
+        lines = [
+            _line(
+                _label("util "),
+                fmt.number(g.gpu_util_percent, "{:.0f}%"),
+                _label("  mem "),
+                fmt.number(g.mem_util_percent, "{:.0f}%"),
+            ),
+            _line(_label("power "), power, " W" if g.power_w is not None else ""),
+            _line(
+                _label("energy/token "),
+                fmt.joules(self.energy_per_token_j, na if not g.available else fmt.NONE_YET),
+            ),
+            _line(_label("SM clock "), fmt.number(g.sm_clock_mhz, "{:.0f} MHz")),
+            _line(_label("memory "), memory),
+        ]
+        if not g.available and g.reason:
+            lines.append(Text(g.reason, style="dim italic", overflow="ellipsis", no_wrap=True))
+        return _lines(lines)
+
+
+class CoreHeatStrip(Widget):
+    """One cell per host core, its height and colour the core's load."""
+
+    loads: reactive[tuple[float, ...]] = reactive(())
+
+    def render(self) -> Text:
+        if not self.loads:
+            return Text(fmt.NA)
+        width = max(1, self.size.width)
+        cell = max(1, min(3, width // len(self.loads)))
+        per_line = max(1, width // cell)
+        text = Text(no_wrap=True)
+        for i, load in enumerate(self.loads):
+            if i and i % per_line == 0:
+                text.append("\n")
+            level = LEVELS[min(len(LEVELS) - 1, int(load / 100 * len(LEVELS)))]
+            text.append(level * cell, style=load_style(load))
+        return text
+
+    def get_content_height(self, container, viewport, width: int) -> int:  # noqa: ANN001
+        if not self.loads:
+            return 1
+        cell = max(1, min(3, width // len(self.loads)))
+        per_line = max(1, width // cell)
+        return -(-len(self.loads) // per_line)
+
+
+def interference_level(sched_p99_us: float | None) -> tuple[str, str]:
+    """(word, style) for the scheduling-latency probe's P99 wake-up overshoot."""
+    if sched_p99_us is None:
+        return fmt.NA, "dim"
+    if sched_p99_us < 1000:
+        return "quiet", "bold green"
+    if sched_p99_us < 4000:
+        return "busy", "bold yellow"
+    return "contended", "bold red"
+
+
+class HostPanel(Vertical):
+    """Host CPU heat strip, the appliance's own share and the interference indicator."""
+
+    host: reactive[HostStats | None] = reactive(None)
+
+    def compose(self) -> ComposeResult:
+        yield CoreHeatStrip(id="cores")
+        yield Static(id="host-info")
+
+    def on_mount(self) -> None:
+        self.border_title = "host CPU"
+        self._draw()
+
+    def watch_host(self) -> None:
+        self._show()
+
+    def _show(self) -> None:
+        if self.is_mounted:
+            self._draw()
+
+    def _draw(self) -> None:
+        h = self.host
+        strip = self.query_one("#cores", CoreHeatStrip)
+        info = self.query_one("#host-info", Static)
+        if h is None:
+            strip.loads = ()
+            info.update(_line(fmt.NA))
+            return
+        strip.loads = tuple(h.cpu_percent_per_core)
+        cores = len(h.cpu_percent_per_core)
+        word, style = interference_level(h.sched_p99_us)
+        cpu_s = fmt.number(h.appliance_cpu_seconds, "{:.0f} s")
+        lines = [
+            _line(_label("total "), f"{h.cpu_percent_total:.0f}%", _label(f" of {cores} cores")),
+            _line(
+                _label("appliance "),
+                fmt.number(h.appliance_cpu_percent and h.appliance_cpu_percent / 100, "{:.2f} cores"),
+                _label(" ("),
+                fmt.number(h.appliance_share_percent, "{:.1f}%"),
+                _label(")"),
+            ),
+            _line(_label("appliance cpu time "), cpu_s),
+            _line(_label("sched p50 "), fmt.us(h.sched_p50_us), _label(" p99 "), fmt.us(h.sched_p99_us)),
+            _line(_label("interference "), (f"● {word}", style)),
+        ]
+        info.update(_lines(lines))
