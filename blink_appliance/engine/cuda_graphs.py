@@ -1,0 +1,84 @@
+"""One captured CUDA graph of the forward per token bucket, all sharing one memory pool.
+
+The GPU loop's scheduler picks the smallest bucket that holds the step's tokens and switches to that
+bucket's graph; `raw_cuda_graph(T)` hands out the cudaGraph_t (captured with keep_graph=True) so the
+loop can embed it as a child graph of its WHILE/SWITCH nodes. All buckets read the same static inputs
+and write the same logits buffer (GpuForward), so only one runs at a time by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from blink_appliance.model.gpu_forward import GpuForward
+
+DEFAULT_BUCKETS = (8, 32, 128, 512, 2048)
+
+
+class ForwardGraphs:
+    def __init__(self, forward: GpuForward, buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
+        if forward.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the forward on a CUDA device, not {forward.device}")
+        if not buckets or any(b <= 0 for b in buckets):
+            raise ValueError(f"token buckets must be positive, got {list(buckets)}")
+        if max(buckets) > forward.max_tokens:
+            raise ValueError(f"bucket {max(buckets)} exceeds the forward's max_tokens {forward.max_tokens}")
+        self.forward = forward
+        self.buckets = tuple(sorted(set(buckets)))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def capture(self, warmup_steps: int = 2) -> None:
+        """Warm up (Triton compilation, cuBLAS handles) on an empty step, then capture every bucket.
+
+        Warm-up runs real kernels, so it runs on cleared inputs (no KV writes, no sequences); the
+        inputs are restored afterwards. Capture itself executes nothing.
+        """
+        fwd = self.forward
+        saved = {k: v.clone() for k, v in vars(fwd.inputs).items()}
+        fwd.inputs.clear()
+        stream = torch.cuda.Stream(device=fwd.device)
+        stream.wait_stream(torch.cuda.current_stream(fwd.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup_steps):
+                for T in self.buckets:
+                    fwd.step(T)
+        torch.cuda.current_stream(fwd.device).wait_stream(stream)
+        torch.cuda.synchronize(fwd.device)
+        for k, v in saved.items():
+            getattr(fwd.inputs, k).copy_(v)
+
+        self.pool = torch.cuda.graph_pool_handle()
+        # Largest first, so later (smaller) captures reuse the pool's blocks.
+        for T in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph, pool=self.pool):
+                fwd.step(T)
+            graph.instantiate()
+            self.graphs[T] = graph
+        torch.cuda.synchronize(fwd.device)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for T in self.buckets:
+            if num_tokens <= T:
+                return T
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def _graph(self, num_tokens: int) -> torch.cuda.CUDAGraph:
+        if num_tokens not in self.graphs:
+            raise KeyError(f"no captured graph for bucket {num_tokens} (captured: {sorted(self.graphs)})")
+        return self.graphs[num_tokens]
+
+    def replay(self, num_tokens: int) -> torch.Tensor:
+        """Replay bucket `num_tokens` (asynchronously); returns the logits view it writes."""
+        self._graph(num_tokens).replay()
+        return self.forward.logits[: self.forward.num_sample_rows(num_tokens)]
+
+    def raw_cuda_graph(self, num_tokens: int) -> int:
+        """The bucket's cudaGraph_t, for cudaGraphAddChildGraphNode in the device loop."""
+        return self._graph(num_tokens).raw_cuda_graph()
+
+    def raw_cuda_graph_exec(self, num_tokens: int) -> int:
+        return self._graph(num_tokens).raw_cuda_graph_exec()

@@ -1,0 +1,324 @@
+"""The fixed-shape forward pass: Triton kernels + cuBLAS GEMMs over static device buffers.
+
+Everything a step reads lives in preallocated tensors (`StepInputs`), sized once for the largest
+token bucket and `max_seqs`; a step over bucket T reads their first T rows. A step does no `.item()`,
+no host sync and no allocation, so it can be captured in a CUDA graph (engine/cuda_graphs.py) and
+replayed by the device-resident loop, which writes the inputs and reads `logits`.
+
+Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
+paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
+GEMM. The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
+bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
+
+It computes the same function as the reference model in llama.py (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blink_appliance.kernels.activation import silu_and_mul
+from blink_appliance.kernels.paged_attention import paged_attention
+from blink_appliance.kernels.rmsnorm import add_rmsnorm
+from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables
+from blink_appliance.model.config import ModelConfig
+from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache
+from blink_appliance.model.llama import rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, projections fused where one GEMM can do the work of several."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]: q, k, v projections stacked
+    qkv_bias: torch.Tensor | None  # Qwen2
+    q_norm: torch.Tensor | None  # Qwen3, [D]
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor  # [H, Hq*D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2*I, H]: gate then up
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class GpuWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the same tensor as embed when tied
+
+    @classmethod
+    def from_hf(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> GpuWeights:
+        """Fuse HF-named tensors (as Checkpoint.weights holds them) into the forward's layout."""
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([weights[n].to(dtype) for n in names]).to(device).contiguous()
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                    if config.attention_bias
+                    else None,
+                    q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
+                    k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
+                    o_proj=w(a + "o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        embed = w("model.embed_tokens.weight")
+        lm_head = embed if config.tie_word_embeddings else w("lm_head.weight")
+        return cls(embed=embed, layers=layers, norm=w("model.norm.weight"), lm_head=lm_head)
+
+    @classmethod
+    def random(
+        cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    ) -> GpuWeights:
+        """Random weights drawn directly on `device` in `dtype` (no host copy; for large benchmarks)."""
+        c = config
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def mat(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype).mul_(0.02)
+
+        def vec(n: int, mean: float = 1.0, std: float = 0.1) -> torch.Tensor:
+            return torch.randn(n, generator=gen, device=device, dtype=dtype).mul_(std).add_(mean)
+
+        qkv_rows = c.q_size + 2 * c.kv_size
+        layers = [
+            LayerWeights(
+                input_norm=vec(c.hidden_size),
+                qkv=mat(qkv_rows, c.hidden_size),
+                qkv_bias=vec(qkv_rows, 0.0, 0.02) if c.attention_bias else None,
+                q_norm=vec(c.head_dim) if c.qk_norm else None,
+                k_norm=vec(c.head_dim) if c.qk_norm else None,
+                o_proj=mat(c.hidden_size, c.q_size),
+                post_norm=vec(c.hidden_size),
+                gate_up=mat(2 * c.intermediate_size, c.hidden_size),
+                down=mat(c.hidden_size, c.intermediate_size),
+            )
+            for _ in range(c.num_layers)
+        ]
+        embed = mat(c.vocab_size, c.hidden_size)
+        lm_head = embed if c.tie_word_embeddings else mat(c.vocab_size, c.hidden_size)
+        return cls(embed=embed, layers=layers, norm=vec(c.hidden_size), lm_head=lm_head)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.norm]
+        if self.lm_head is not self.embed:
+            out.append(self.lm_head)
+        for layer in self.layers:
+            out += [t for t in vars(layer).values() if t is not None]
+        return out
+
+    def nbytes(self) -> int:
+        """All weight bytes, the tied embedding counted once."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def bytes_read_per_step(self, num_tokens: int) -> int:
+        """Weight bytes one step must read: everything but the embedding table, of which only
+        `num_tokens` rows are gathered (unless it doubles as the LM head, which reads all of it)."""
+        total = self.nbytes()
+        if self.lm_head is self.embed:
+            return total
+        e = self.embed
+        return total - e.numel() * e.element_size() + num_tokens * e.shape[1] * e.element_size()
+
+
+@dataclass
+class StepInputs:
+    """The per-step metadata the scheduler writes (docs/kv_layout.md), at fixed capacity.
+
+    Token-level tensors hold `max_tokens` rows; a bucket T reads the first T. Unused sequence slots
+    have query_start[s+1] == query_start[s] and context_lens[s] == 0; unused sample rows hold -1.
+    """
+
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+    slot_mapping: torch.Tensor  # [max_tokens] int64, -1 = padding
+    query_start: torch.Tensor  # [max_seqs + 1] int32
+    context_lens: torch.Tensor  # [max_seqs] int32
+    block_tables: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
+    sample_rows: torch.Tensor  # [max_seqs] int64, -1 = unused
+
+    @classmethod
+    def allocate(
+        cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device | str
+    ) -> StepInputs:
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        inputs = cls(
+            input_ids=torch.zeros(max_tokens, **i64),
+            positions=torch.zeros(max_tokens, **i64),
+            slot_mapping=torch.zeros(max_tokens, **i64),
+            query_start=torch.zeros(max_seqs + 1, **i32),
+            context_lens=torch.zeros(max_seqs, **i32),
+            block_tables=torch.zeros(max_seqs, max_blocks_per_seq, **i32),
+            sample_rows=torch.zeros(max_seqs, **i64),
+        )
+        inputs.clear()
+        return inputs
+
+    def clear(self) -> None:
+        """An empty step: no sequences, no writes, no samples (safe to run, e.g. to warm up)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(-1)
+        self.query_start.zero_()
+        self.context_lens.zero_()
+        self.block_tables.fill_(-1)
+        self.sample_rows.fill_(-1)
+
+
+class GpuForward:
+    """Static-buffer forward runner; `step(T)` is what a CUDA graph captures per bucket."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: GpuWeights,
+        kv: PagedKVCache,
+        *,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        max_context_len: int | None = None,
+    ) -> None:
+        c = config
+        self.config = c
+        self.weights = weights
+        self.kv = kv
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        if kv.k.dtype != self.dtype or kv.k.device != self.device:
+            raise ValueError(
+                f"KV cache is {kv.k.dtype} on {kv.k.device}; weights are {self.dtype} on {self.device}"
+            )
+        if kv.k.shape[0] != c.num_layers or kv.k.shape[3:] != (c.num_kv_heads, c.head_dim):
+            raise ValueError(f"KV cache shape {tuple(kv.k.shape)} does not fit the model")
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_context_len = max_context_len or max_blocks_per_seq * kv.block_size
+        if self.max_context_len > max_blocks_per_seq * kv.block_size:
+            raise ValueError("max_context_len exceeds what max_blocks_per_seq blocks can hold")
+        self.inputs = StepInputs.allocate(max_tokens, max_seqs, max_blocks_per_seq, self.device)
+        self.cos, self.sin = rope_tables(rope_inv_freq(c), self.max_context_len, self.device)
+
+        # Activations, sized for the largest bucket; a bucket uses leading rows. Shared by all buckets.
+        def buf(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=self.device)
+
+        T, H = max_tokens, c.hidden_size
+        self._residual = buf(T, H)
+        self._normed = buf(T, H)
+        self._qkv = buf(T, c.q_size + 2 * c.kv_size)
+        self._attn = buf(T, c.q_size)
+        self._proj = buf(T, H)  # output of o_proj and of down_proj: the next add's input
+        self._gate_up = buf(T, 2 * c.intermediate_size)
+        self._act = buf(T, c.intermediate_size)
+        self._final = buf(max_seqs, H)
+        self._logits_lp = buf(max_seqs, c.vocab_size) if self.dtype != torch.float32 else None
+        # fp32 logits of the sampled rows: what the sampler reads. Row r is for sample_rows[r].
+        self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
+
+    def num_sample_rows(self, num_tokens: int) -> int:
+        return min(num_tokens, self.max_seqs)
+
+    def step(self, num_tokens: int) -> torch.Tensor:
+        """One forward over the first `num_tokens` rows of the inputs; returns a view of the logits.
+
+        Only device work on fixed buffers: safe to capture. Writes K/V of this step into the cache.
+        """
+        c, w, inp = self.config, self.weights, self.inputs
+        T = num_tokens
+        if T > self.max_tokens:
+            raise ValueError(f"bucket {T} exceeds max_tokens {self.max_tokens}")
+        R = self.num_sample_rows(T)
+        eps = c.rms_norm_eps
+        h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
+        proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
+        positions, slots = inp.positions[:T], inp.slot_mapping[:T]
+        block_q = 4 if T <= 128 else 16
+
+        torch.index_select(w.embed, 0, inp.input_ids[:T], out=h)
+        for i, layer in enumerate(w.layers):
+            if i == 0:
+                add_rmsnorm(h, layer.input_norm, x, eps)
+            else:
+                add_rmsnorm(proj, layer.input_norm, x, eps, residual=h)
+            if layer.qkv_bias is not None:
+                torch.addmm(layer.qkv_bias, x, layer.qkv.t(), out=qkv)
+            else:
+                torch.mm(x, layer.qkv.t(), out=qkv)
+            k_cache, v_cache = self.kv.k[i], self.kv.v[i]
+            rope_and_cache_write(
+                qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
+                c.num_heads, c.num_kv_heads, c.head_dim, layer.q_norm, layer.k_norm, eps,
+            )  # fmt: skip
+            paged_attention(
+                qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
+                inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=block_q,
+            )  # fmt: skip
+            torch.mm(attn, layer.o_proj.t(), out=proj)
+            add_rmsnorm(proj, layer.post_norm, x, eps, residual=h)
+            torch.mm(x, layer.gate_up.t(), out=gate_up)
+            silu_and_mul(gate_up, act)
+            torch.mm(act, layer.down.t(), out=proj)
+
+        final = self._final[:R]
+        add_rmsnorm(proj, w.norm, final, eps, residual=h, write_residual=False, rows=inp.sample_rows[:R])
+        if self._logits_lp is None:
+            torch.mm(final, w.lm_head.t(), out=self.logits[:R])
+        else:
+            torch.mm(final, w.lm_head.t(), out=self._logits_lp[:R])
+            self.logits[:R].copy_(self._logits_lp[:R])
+        return self.logits[:R]
+
+    def load_batch(self, batch: ForwardBatch, num_tokens: int) -> None:
+        """Host-side helper (tests, benchmarks): copy a ForwardBatch into the static inputs for a bucket
+        of `num_tokens`, padding the rest. The GPU loop's scheduler writes the inputs itself instead."""
+        n, S = batch.num_tokens, batch.num_seqs
+        if n > num_tokens or num_tokens > self.max_tokens:
+            raise ValueError(f"{n} tokens do not fit bucket {num_tokens} (max_tokens {self.max_tokens})")
+        if S > self.max_seqs or batch.sample_rows.shape[0] > self.num_sample_rows(num_tokens):
+            raise ValueError(
+                f"{S} sequences / {batch.sample_rows.shape[0]} samples exceed the bucket's capacity"
+            )
+        width = batch.block_tables.shape[1]
+        if width > self.max_blocks_per_seq:
+            raise ValueError(
+                f"block tables of width {width} exceed max_blocks_per_seq {self.max_blocks_per_seq}"
+            )
+        if n and int(batch.positions.max()) >= self.max_context_len:
+            raise ValueError(f"a position exceeds max_context_len {self.max_context_len}")
+        inp = self.inputs
+        inp.clear()
+        dev = self.device
+        inp.input_ids[:n].copy_(batch.input_ids.to(dev))
+        inp.positions[:n].copy_(batch.positions.to(dev))
+        inp.slot_mapping[:n].copy_(batch.slot_mapping.to(dev))
+        inp.query_start[: S + 1].copy_(batch.query_start.to(dev))
+        inp.query_start[S + 1 :].fill_(int(batch.query_start[-1]))
+        inp.context_lens[:S].copy_(batch.context_lens.to(dev))
+        inp.block_tables[:S, :width].copy_(batch.block_tables.to(dev))
+        inp.sample_rows[: batch.sample_rows.shape[0]].copy_(batch.sample_rows.to(dev))
