@@ -1,0 +1,377 @@
+"""The appliance profile: one TOML file that says what to serve, where, and within which limits.
+
+Loaded with tomllib into pydantic models that forbid unknown keys, so a typo is an error naming
+its key path (`models[0].kv_fration: unknown key`), never a silently ignored setting. Keys whose
+feature is not built yet are accepted by the schema only to be refused with a message that says
+so. `resolve_plan` turns a model's profile plus its architecture into concrete numbers (weights
+bytes, KV blocks, ring capacities); `blink-appliance check` prints that plan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from blink_appliance.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from blink_appliance.transport.ring_layout import RingGeometry
+
+GIB = 1 << 30
+NOT_BUILT = "not built yet"
+_DTYPES = ("float32", "bfloat16", "float16")
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names every bad key path and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApplianceSection(_Section):
+    name: str = "blink"
+    # POSIX shared-memory name of the ring region; one appliance per name on a host.
+    shm_name: str = "blink-appliance"
+    engine_cpus: list[int] = Field(default_factory=list)  # pin the engine process (empty: no pinning)
+    engine_restarts: int = Field(default=5, ge=0)  # crashes tolerated before the daemon gives up
+    drain_timeout_s: float = Field(default=30.0, gt=0)  # in-flight work gets this long on SIGTERM
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("shm_name")
+    @classmethod
+    def _shm_name_ok(cls, v: str) -> str:
+        if not _SHM_NAME.match(v):
+            raise ValueError("must be 1-200 characters of letters, digits, '_', '.', '-'")
+        return v
+
+
+class ModelSection(_Section):
+    name: str  # the id clients pass as "model"
+    source: str | None = None  # hf:<dir>, gguf:<file>, dummy:<preset> or a named model; default: name
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    max_seqs: int = Field(default=32, ge=1, le=4096)
+    max_model_len: int = Field(default=2048, ge=16)
+    max_num_batched_tokens: int = Field(default=512, ge=16)  # token budget of one engine step
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # default: max_model_len - 1
+    max_output_tokens: int | None = Field(default=None, ge=1)  # default: max_model_len - 1
+    kv_budget_gib: float | None = None
+    kv_fraction: float | None = None
+    block_size: int = Field(default=16, ge=1, le=1024)
+    sm_count: int | None = None
+    seed: int = 0  # seed of dummy: weights
+
+    @field_validator("device")
+    @classmethod
+    def _device_ok(cls, v: str) -> str:
+        if v == "cpu":
+            return v
+        if re.fullmatch(r"cuda:\d+", v):
+            raise ValueError(f"{v!r}: {NOT_BUILT} (the GPU-resident loop has not landed; use 'cpu')")
+        raise ValueError(f"{v!r}: expected 'cpu' or 'cuda:N'")
+
+    @field_validator("sm_count")
+    @classmethod
+    def _sm_count_refused(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError(f"{NOT_BUILT} (SM partitioning needs the GPU loop); remove the key")
+        return v
+
+    @field_validator("kv_budget_gib")
+    @classmethod
+    def _budget_ok(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @field_validator("kv_fraction")
+    @classmethod
+    def _fraction_ok(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSection:
+        if (self.kv_budget_gib is None) == (self.kv_fraction is None):
+            raise ValueError("set exactly one of kv_budget_gib and kv_fraction")
+        for key in ("max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, key)
+            if value is not None and value >= self.max_model_len:
+                raise ValueError(f"{key} ({value}) must be < max_model_len ({self.max_model_len})")
+        return self
+
+    @property
+    def model_source(self) -> str:
+        return self.source if self.source is not None else self.name
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None else self.max_model_len - 1
+
+    @property
+    def output_limit(self) -> int:
+        return self.max_output_tokens if self.max_output_tokens is not None else self.max_model_len - 1
+
+
+class FrontendSection(_Section):
+    host: str = "127.0.0.1"  # loopback unless the profile says otherwise
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (printed when ready)
+    cpus: list[int] = Field(default_factory=list)  # pin the front-end process (empty: no pinning)
+    transport: Literal["shm", "rdma"] = "shm"
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies get 413
+    max_inflight: int = Field(default=256, ge=1, le=65536)  # requests admitted at once; more get 503
+    api_keys: list[str] = Field(default_factory=list)  # bearer keys; env BLINK_API_KEY adds one
+
+    @field_validator("transport")
+    @classmethod
+    def _transport_built(cls, v: str) -> str:
+        if v == "rdma":
+            raise ValueError(f"'rdma': {NOT_BUILT} (the DPU transport has not landed; use 'shm')")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_ok(cls, v: list[str]) -> list[str]:
+        for key in v:
+            if len(key) < 8 or any(c.isspace() for c in key):
+                raise ValueError("each key must be at least 8 characters without whitespace")
+        return v
+
+
+class TelemetrySection(_Section):
+    enabled: bool = True  # serves /telemetry and /telemetry/stream for `blink-appliance top`
+    interval_s: float = Field(default=0.5, gt=0, le=60)
+
+
+class Profile(_Section):
+    appliance: ApplianceSection = Field(default_factory=ApplianceSection)
+    models: list[ModelSection]
+    frontend: FrontendSection = Field(default_factory=FrontendSection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    dpu: dict[str, Any] | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _one_model(cls, v: list[ModelSection]) -> list[ModelSection]:
+        if not v:
+            raise ValueError("at least one [[models]] entry is required")
+        if len(v) > 1:
+            raise ValueError(
+                f"{len(v)} models given; serving more than one model per appliance is {NOT_BUILT}"
+            )
+        return v
+
+    @field_validator("dpu")
+    @classmethod
+    def _dpu_refused(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError(f"the [dpu] section is {NOT_BUILT} (RDMA front end); remove it")
+        return v
+
+    @property
+    def model(self) -> ModelSection:
+        return self.models[0]
+
+    def with_overrides(self, *, host: str | None = None, port: int | None = None) -> Profile:
+        """A copy with the front end's address replaced (validated like the file)."""
+        data = self.model_dump()
+        if host is not None:
+            data["frontend"]["host"] = host
+        if port is not None:
+            data["frontend"]["port"] = port
+        return parse_profile(data)
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(profile)"
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    if err["type"] == "missing":
+        return "required key is missing"
+    msg = str(err["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def parse_profile(data: dict[str, Any], *, origin: str = "profile") -> Profile:
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        lines = [f"  {_key_path(tuple(err['loc']))}: {_message(err)}" for err in e.errors()]
+        raise ProfileError(f"{origin} is invalid:\n" + "\n".join(lines)) from None
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(f"profile not found: {p}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{p}: not valid TOML: {e}") from None
+    return parse_profile(data, origin=str(p))
+
+
+# -- the resolved plan ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Concrete numbers for one model, from its profile and its architecture."""
+
+    name: str
+    source: str
+    dtype: str
+    device: str
+    weights_bytes: int
+    kv_bytes: int  # what the blocks actually take (<= the budget)
+    kv_budget_bytes: int
+    bytes_per_block: int
+    num_kv_blocks: int
+    block_size: int
+    max_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_prompt_tokens: int
+    max_output_tokens: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def describe(self) -> str:
+        return "\n".join(
+            [
+                f"model {self.name!r} (source {self.source}, {self.dtype} on {self.device})",
+                f"  weights        {_fmt_bytes(self.weights_bytes)}",
+                f"  kv cache       {_fmt_bytes(self.kv_bytes)} of a {_fmt_bytes(self.kv_budget_bytes)} budget"
+                f" -> {self.num_kv_blocks} blocks x {self.block_size} tokens"
+                f" ({self.kv_tokens} tokens, {_fmt_bytes(self.bytes_per_block)} per block)",
+                f"  max_seqs       {self.max_seqs}",
+                f"  max_model_len  {self.max_model_len} (prompt <= {self.max_prompt_tokens},"
+                f" output <= {self.max_output_tokens})",
+                f"  token budget   {self.max_num_batched_tokens} tokens per engine step",
+            ]
+        )
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _itemsize(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def weights_bytes(config: ModelConfig, dtype: str) -> int:
+    from blink_appliance.model.loaders.dummy import weight_shapes
+
+    return sum(math.prod(s) for s in weight_shapes(config).values()) * _itemsize(dtype)
+
+
+def resolve_plan(
+    model: ModelSection, config: ModelConfig, *, available_bytes: int | None = None
+) -> ModelPlan:
+    """Size the KV cache and check the limits against the architecture.
+
+    `kv_fraction` is a fraction of the memory left after the weights (host RAM available now,
+    from psutil, for device "cpu"); `available_bytes` overrides that reading (tests).
+    """
+    import torch
+
+    from blink_appliance.model.kv_cache import PagedKVCache
+
+    key = "models[0]"
+    if model.max_model_len > config.max_position_embeddings:
+        raise ProfileError(
+            f"{key}.max_model_len: {model.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    w_bytes = weights_bytes(config, model.dtype)
+    per_block = PagedKVCache.bytes_per_block(
+        config.num_layers, model.block_size, config.num_kv_heads, config.head_dim, getattr(torch, model.dtype)
+    )
+    if model.kv_budget_gib is not None:
+        budget = int(model.kv_budget_gib * GIB)
+        budget_key = f"{key}.kv_budget_gib"
+    else:
+        assert model.kv_fraction is not None
+        avail = psutil.virtual_memory().available if available_bytes is None else available_bytes
+        budget = int(model.kv_fraction * max(0, avail - w_bytes))
+        budget_key = f"{key}.kv_fraction"
+    # Never more blocks than max_seqs sequences of max_model_len can use.
+    blocks_per_seq = -(-model.max_model_len // model.block_size)
+    num_blocks = min(budget // per_block, model.max_seqs * blocks_per_seq)
+    if num_blocks < blocks_per_seq:
+        raise ProfileError(
+            f"{budget_key}: a budget of {_fmt_bytes(budget)} holds {budget // per_block} blocks of "
+            f"{_fmt_bytes(per_block)}, fewer than one sequence of max_model_len={model.max_model_len} "
+            f"needs ({blocks_per_seq})"
+        )
+    return ModelPlan(
+        name=model.name,
+        source=model.model_source,
+        dtype=model.dtype,
+        device=model.device,
+        weights_bytes=w_bytes,
+        kv_bytes=num_blocks * per_block,
+        kv_budget_bytes=budget,
+        bytes_per_block=per_block,
+        num_kv_blocks=num_blocks,
+        block_size=model.block_size,
+        max_seqs=model.max_seqs,
+        max_model_len=model.max_model_len,
+        max_num_batched_tokens=model.max_num_batched_tokens,
+        max_prompt_tokens=model.prompt_limit,
+        max_output_tokens=model.output_limit,
+    )
+
+
+def ring_geometry(profile: Profile) -> RingGeometry:
+    """The ring capacities both processes derive from the same profile."""
+    from blink_appliance.transport.ring_layout import RingGeometry
+
+    m = profile.model
+    inflight = profile.frontend.max_inflight
+    return RingGeometry(
+        request_slots=inflight,
+        arena_tokens=max(m.prompt_limit, min(inflight * m.prompt_limit, 1 << 20)),
+        max_prompt_tokens=m.prompt_limit,
+        max_inflight=inflight,
+        max_output_tokens=m.output_limit,
+        max_stop_ids=16,
+    )

@@ -1,0 +1,190 @@
+"""The profile: TOML -> pydantic, errors that name the key path, refusals of what is not built, the plan."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from blink_appliance.model.loaders.dummy import preset_config
+from blink_appliance.profile import (
+    GIB,
+    ProfileError,
+    load_profile,
+    parse_profile,
+    resolve_plan,
+    ring_geometry,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MINIMAL_MODEL = {"name": "m", "source": "dummy:tiny", "kv_budget_gib": 0.01, "max_model_len": 256}
+
+
+def _profile(**sections):
+    data = {"models": [dict(MINIMAL_MODEL)]}
+    for key, value in sections.items():
+        if key == "model":
+            data["models"][0].update(value)
+        else:
+            data[key] = value
+    return data
+
+
+def _error(data) -> str:
+    with pytest.raises(ProfileError) as e:
+        parse_profile(data)
+    return str(e.value)
+
+
+def test_default_profile_loads_and_is_loopback_cpu_fp32():
+    p = load_profile(REPO / "profiles" / "default.toml")
+    assert p.model.name == "smollm2-135m-instruct"
+    assert p.model.model_source == "smollm2-135m-instruct"
+    assert (p.model.device, p.model.dtype) == ("cpu", "float32")
+    assert p.frontend.host == "127.0.0.1"
+    assert p.frontend.transport == "shm"
+
+
+def test_gpu_example_profile_is_refused_as_not_built(tmp_path):
+    with pytest.raises(ProfileError) as e:
+        load_profile(REPO / "profiles" / "gpu-h100.example.toml")
+    msg = str(e.value)
+    assert "models[0].device: 'cuda:0': not built yet" in msg
+    assert "models[0].sm_count: not built yet" in msg
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        ({"model": {"kv_fration": 0.5}}, "models[0].kv_fration: unknown key"),
+        ({"frontend": {"prot": 1}}, "frontend.prot: unknown key"),
+        ({"surprise": {}}, "surprise: unknown key"),
+        ({"model": {"kv_budget_gib": None, "kv_fraction": 1.5}}, "models[0].kv_fraction: must be in (0, 1]"),
+        ({"model": {"kv_fraction": 0.5}}, "set exactly one of kv_budget_gib and kv_fraction"),
+        ({"model": {"kv_budget_gib": -1}}, "models[0].kv_budget_gib: must be > 0"),
+        ({"model": {"block_size": 12}}, "models[0].block_size: must be a power of two"),
+        ({"model": {"dtype": "int3"}}, "models[0].dtype"),
+        ({"model": {"device": "tpu"}}, "models[0].device: 'tpu': expected 'cpu' or 'cuda:N'"),
+        ({"model": {"device": "cuda:1"}}, "models[0].device: 'cuda:1': not built yet"),
+        ({"model": {"sm_count": 66}}, "models[0].sm_count: not built yet"),
+        ({"model": {"max_output_tokens": 256}}, "max_output_tokens (256) must be < max_model_len (256)"),
+        ({"frontend": {"transport": "rdma"}}, "frontend.transport: 'rdma': not built yet"),
+        ({"frontend": {"port": 70000}}, "frontend.port"),
+        ({"frontend": {"api_keys": ["short"]}}, "frontend.api_keys: each key must be at least 8 characters"),
+        ({"dpu": {"nic": "mlx5_0"}}, "dpu: the [dpu] section is not built yet"),
+        ({"appliance": {"shm_name": "a/b"}}, "appliance.shm_name: must be 1-200 characters"),
+    ],
+)
+def test_errors_name_the_key_path(sections, expected):
+    assert expected in _error(_profile(**sections))
+
+
+def test_missing_models_and_more_than_one_model():
+    assert "models: required key is missing" in _error({})
+    two = {"models": [dict(MINIMAL_MODEL), dict(MINIMAL_MODEL, name="n")]}
+    assert "more than one model per appliance is not built yet" in _error(two)
+    assert "models[0].name: required key is missing" in _error({"models": [{"kv_budget_gib": 1}]})
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[models]\nname=")
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile(bad)
+    with pytest.raises(ProfileError, match="profile not found"):
+        load_profile(tmp_path / "nope.toml")
+
+
+def test_overrides_are_validated():
+    p = parse_profile(_profile())
+    q = p.with_overrides(host="0.0.0.0", port=9001)
+    assert (q.frontend.host, q.frontend.port) == ("0.0.0.0", 9001)
+    assert p.frontend.port == 8000  # the original is unchanged
+    with pytest.raises(ProfileError, match="frontend.port"):
+        p.with_overrides(port=-5)
+
+
+def test_plan_sizes_kv_from_budget():
+    p = parse_profile(
+        _profile(
+            model={
+                "source": "dummy:smollm2-135m",
+                "kv_budget_gib": 0.5,
+                "max_model_len": 2048,
+                "max_seqs": 32,
+            }
+        )
+    )
+    plan = resolve_plan(p.model, preset_config("smollm2-135m"))
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32: 2*30*16*3*64*4 bytes per 16-token block.
+    assert plan.bytes_per_block == 2 * 30 * 16 * 3 * 64 * 4
+    assert plan.num_kv_blocks == int(0.5 * GIB) // plan.bytes_per_block
+    assert plan.kv_bytes <= plan.kv_budget_bytes
+    # 134.5M parameters (tied embeddings) in fp32
+    assert 130e6 * 4 < plan.weights_bytes < 140e6 * 4
+    text = plan.describe()
+    assert "blocks x 16 tokens" in text and "max_seqs       32" in text
+
+
+def test_plan_caps_blocks_at_what_max_seqs_can_use_and_refuses_too_small_budgets():
+    cfg = preset_config("tiny")
+    big = parse_profile(_profile(model={"kv_budget_gib": 8, "max_seqs": 2, "max_model_len": 256}))
+    assert resolve_plan(big.model, cfg).num_kv_blocks == 2 * 256 // 16
+    tiny = parse_profile(_profile(model={"kv_budget_gib": 1e-6, "max_model_len": 1024}))
+    with pytest.raises(ProfileError, match=r"models\[0\].kv_budget_gib: .* fewer than one sequence"):
+        resolve_plan(tiny.model, cfg)
+    too_long = parse_profile(_profile(model={"max_model_len": 4096}))
+    with pytest.raises(
+        ProfileError, match=r"max_model_len: 4096 exceeds the model's max_position_embeddings"
+    ):
+        resolve_plan(too_long.model, cfg)
+
+
+def test_plan_kv_fraction_is_of_memory_left_after_weights():
+    cfg = preset_config("tiny")
+    p = parse_profile(_profile(model={"kv_budget_gib": None, "kv_fraction": 0.5, "max_seqs": 1000}))
+    plan = resolve_plan(p.model, cfg, available_bytes=plan_weights(cfg) + 10 * 2**20)
+    assert plan.kv_budget_bytes == 5 * 2**20
+
+
+def plan_weights(cfg) -> int:
+    from blink_appliance.profile import weights_bytes
+
+    return weights_bytes(cfg, "float32")
+
+
+def test_ring_geometry_follows_the_profile():
+    p = parse_profile(
+        _profile(model={"max_model_len": 256, "max_output_tokens": 100}, frontend={"max_inflight": 64})
+    )
+    g = ring_geometry(p)
+    assert (g.max_inflight, g.request_slots) == (64, 64)
+    assert g.max_prompt_tokens == 255 and g.max_output_tokens == 100
+    assert g.arena_tokens >= g.max_prompt_tokens
+
+
+def test_toml_round_trip(tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text(
+        textwrap.dedent(
+            """
+            [appliance]
+            shm_name = "blink-test"
+            [[models]]
+            name = "tiny"
+            source = "dummy:tiny"
+            kv_budget_gib = 0.01
+            max_model_len = 512
+            [frontend]
+            port = 0
+            api_keys = ["secret-key-1"]
+            [telemetry]
+            enabled = false
+            """
+        )
+    )
+    p = load_profile(f)
+    assert p.appliance.shm_name == "blink-test"
+    assert p.frontend.port == 0 and p.frontend.api_keys == ["secret-key-1"]
+    assert p.telemetry.enabled is False
