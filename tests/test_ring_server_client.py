@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from blink_appliance.engine.request import FinishReason, SamplingParams
 from blink_appliance.transport.engine_client import EngineBusyError, EngineClient, EngineDeadError
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import EngineState, ErrorCode, RingGeometry, RingLayout
+from blink_appliance.transport.ring_layout import FINAL_BIT, EngineState, ErrorCode, RingGeometry, RingLayout
 from tests.test_ring_support import (
     SMALL,
     VOCAB,
@@ -324,7 +324,7 @@ def wait_done(region: RingRegion, slot: int, generation: int, timeout: float = 5
     while region.load_progress(slot, "done") != generation:
         assert time.monotonic() < deadline, "engine did not finish the record"
         time.sleep(0.0005)
-    return region.read_status(slot), region.load_progress(slot, "count")
+    return region.read_status(slot), region.load_progress(slot, "count") & ~FINAL_BIT
 
 
 def check_still_serving(producer: RawProducer):

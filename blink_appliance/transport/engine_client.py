@@ -19,7 +19,13 @@ import numpy as np
 
 from blink_appliance.engine.request import FinishReason, SamplingParams, TokenEvent
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import FINISH_FROM_CODE, EngineState, ErrorCode, RingGeometry
+from blink_appliance.transport.ring_layout import (
+    FINAL_BIT,
+    FINISH_FROM_CODE,
+    EngineState,
+    ErrorCode,
+    RingGeometry,
+)
 from blink_appliance.transport.transport import Transport
 
 
@@ -249,41 +255,48 @@ class EngineClient:
             await asyncio.sleep(0 if moved else self.poll_interval_s)
 
     def _poll_channels(self) -> bool:
+        """One pass over the tracked channels; True if any event was delivered or slot freed."""
         if not self._tracked_gen.any():
             return False
         prog = self.region.progress_table()
         tracked = self._tracked_gen != 0
+        counts = prog["count"] & np.uint64(FINAL_BIT - 1)
+        final = (prog["count"] & np.uint64(FINAL_BIT)) != 0
         done = tracked & (prog["done"] == self._tracked_gen)
-        grew = tracked & (prog["count"] > self._delivered)
-        for slot in np.nonzero(done | grew)[0]:
-            self._drain_slot(int(slot), bool(done[slot]), int(prog["count"][slot]))
-        return bool(done.any() or grew.any())
+        moved = False
+        for slot in np.nonzero(tracked & (done | final | (counts > self._delivered)))[0]:
+            moved |= self._drain_slot(int(slot), bool(done[slot]), int(prog["count"][slot]))
+        return moved
 
-    def _drain_slot(self, slot: int, done: bool, count: int) -> None:
+    def _drain_slot(self, slot: int, done: bool, count_word: int) -> bool:
         r = self.region
         if done:
-            count = r.load_progress(slot, "count")  # re-read after seeing done: now final
-        count = min(count, self.geometry.max_output_tokens)
+            count_word = r.load_progress(slot, "count")  # re-read after seeing done: now final
+        final = bool(count_word & FINAL_BIT)
+        count = min(count_word & (FINAL_BIT - 1), self.geometry.max_output_tokens)
         start = int(self._delivered[slot])
         pending = self._by_slot.get(slot)
-        status = r.read_status(slot) if done else None
-        terminal_token = bool(status is not None and status["terminal_token"] and count > start)
-        if pending is not None and not pending.terminated and count > start:
-            tokens, times = r.read_output(slot, start, count)
-            last = len(tokens) - 1 if terminal_token else len(tokens)
-            for i in range(last):
-                pending.queue.put_nowait(
-                    TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
-                )
-            if terminal_token:
-                self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
+        moved = False
+        if pending is not None and not pending.terminated and (count > start or final):
+            status = r.read_status(slot) if final else None
+            terminal_token = bool(final and status["terminal_token"] and count > start)
+            if count > start:
+                tokens, times = r.read_output(slot, start, count)
+                for i in range(len(tokens) - int(terminal_token)):
+                    event = TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
+                    pending.queue.put_nowait(event)
+                if terminal_token:
+                    self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
+            if final and not pending.terminated:
+                self._emit_terminal(pending, status, None, int(status["finish_ns"]))
+            moved = True
         self._delivered[slot] = count
         if done:
-            if pending is not None and not pending.terminated:
-                self._emit_terminal(pending, status, None, int(status["finish_ns"]))
             self._tracked_gen[slot] = 0
             self._free.append(slot)
             self._by_slot.pop(slot, None)  # the id stays known until its stream has ended
+            moved = True
+        return moved
 
     def _emit_terminal(self, pending: _Pending, status: np.void, token: int | None, stamp: int) -> None:
         reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)

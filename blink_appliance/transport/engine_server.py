@@ -20,7 +20,13 @@ import numpy as np
 
 from blink_appliance.engine.request import FinishReason, Request, SamplingParams, TokenEvent
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import FINISH_CODES, EngineState, ErrorCode, RingGeometry
+from blink_appliance.transport.ring_layout import (
+    FINAL_BIT,
+    FINISH_CODES,
+    EngineState,
+    ErrorCode,
+    RingGeometry,
+)
 from blink_appliance.transport.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -363,7 +369,8 @@ class EngineServer:
                 stamp = event.timestamp_ns or time.monotonic_ns()
                 r.write_output_token(live.slot, live.written, event.token_id, stamp)
                 live.written += 1
-                r.store_progress(live.slot, "count", live.written)
+                if not event.finished:  # a terminal token is published with the final count
+                    r.store_progress(live.slot, "count", live.written)
             if event.finished:
                 code = (
                     ErrorCode.ENGINE_REJECTED if event.finish_reason is FinishReason.ERROR else ErrorCode.NONE
@@ -390,7 +397,9 @@ class EngineServer:
         live = self._live.pop(request_id)
         self._live_gen[live.slot] = 0
         self._counters["requests_finished"] += 1
-        self._write_terminal(live.slot, live.generation, reason, code, detail, token=token, stamp=stamp)
+        self._write_terminal(
+            live.slot, live.generation, reason, code, detail, token=token, stamp=stamp, count=live.written
+        )
 
     def _write_terminal(
         self,
@@ -402,8 +411,12 @@ class EngineServer:
         *,
         token: bool = False,
         stamp: int = 0,
+        count: int | None = None,
     ) -> None:
-        """Status first, then done = generation: after that store the slot is the front end's."""
+        """Status, then the final count (| FINAL_BIT), then done = generation: after that last
+        store the slot is the front end's. `count` None: keep what the channel already holds."""
+        if count is None:
+            count = self.region.load_progress(slot, "count") & ~FINAL_BIT
         self.region.write_status(
             slot,
             finish_ns=stamp or time.monotonic_ns(),
@@ -412,6 +425,7 @@ class EngineServer:
             terminal_token=token,
             detail=detail,
         )
+        self.region.store_progress(slot, "count", count | FINAL_BIT)
         self.region.store_progress(slot, "done", generation)
 
     # -- telemetry --------------------------------------------------------------------------------

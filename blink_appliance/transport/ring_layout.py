@@ -27,6 +27,10 @@ from blink_appliance.engine.request import FinishReason
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
 VERSION = 1
 CACHE_LINE = 64
+# Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
+# set in the same store that publishes the terminal token, so a reader never mistakes the last
+# token for an ordinary one.
+FINAL_BIT = 1 << 63
 ERROR_DETAIL_BYTES = 104
 
 
@@ -211,7 +215,7 @@ CHANNEL_CTL = _struct(
 )
 CHANNEL_PROGRESS = _struct(
     [
-        ("count", "<u8", 0),  # tokens published; written after the tokens
+        ("count", "<u8", 0),  # tokens published (| FINAL_BIT at the end); written after the tokens
         ("done", "<u8", 8),  # = generation once the terminal status is written; written last
     ],
     16,
