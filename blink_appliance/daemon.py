@@ -1,0 +1,217 @@
+"""The daemon behind `blink-appliance up`: create the rings, start and supervise both processes, drain.
+
+Order of life:
+  1. validate the profile, pull a named model (both processes read it from the local cache);
+  2. create the shared region (this process owns it and unlinks it at exit);
+  3. start the engine process, wait until it reports RUNNING on the ring;
+  4. start the front-end process, wait for its ready file, print the URL;
+  5. supervise: a crashed engine is restarted (its in-flight requests were already failed by the
+     front end, which keeps serving); a crashed front end is restarted too;
+  6. on SIGTERM/SIGINT: the front end drains (503 for new work, in-flight finishes or is
+     cancelled after appliance.drain_timeout_s), then the engine stops, the region goes, exit 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from blink_appliance.profile import Profile, ProfileError, ring_geometry
+
+log = logging.getLogger("blink_appliance.daemon")
+
+ENGINE_START_TIMEOUT_S = 600.0  # loading a big checkpoint on a slow disk
+FRONTEND_START_TIMEOUT_S = 120.0
+_RESTART_WINDOW_S = 300.0  # engine_restarts counts crashes within this window
+
+
+class StartupError(RuntimeError):
+    """A process did not come up; the message says which and why."""
+
+
+def say(message: str) -> None:
+    print(f"[blink] {message}", file=sys.stderr, flush=True)
+
+
+def ensure_model(source: str, progress: Callable[[str], None] = say) -> None:
+    """Pull a named model into the local cache now, so neither process downloads on its own."""
+    from blink_appliance.model.loaders import model_registry
+
+    if model_registry.is_named(source):
+        path = model_registry.pull(source)
+        progress(f"model {source}: {path}")
+
+
+@dataclasses.dataclass
+class _Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = dataclasses.field(default_factory=list)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv)
+        say(f"{self.name} started (pid {self.proc.pid})")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait, SIGKILL if it does not go; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            say(f"{self.name} did not stop within {timeout_s:.0f}s; killing it")
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class ApplianceDaemon:
+    def __init__(
+        self, profile: Profile, profile_path: Path, *, host: str | None = None, port: int | None = None
+    ) -> None:
+        self.profile = profile
+        self.profile_path = profile_path
+        self.host = host
+        self.port = port
+        self._stop = threading.Event()
+        self._workdir = Path(tempfile.mkdtemp(prefix="blink-appliance-"))
+        self._ready_file = self._workdir / "frontend.url"
+        me = str(os.getpid())
+        py = sys.executable
+        self.engine = _Child(
+            "engine", [py, "-m", "blink_appliance.engine_process", str(profile_path), "--parent-pid", me]
+        )
+        fe_argv = [py, "-m", "blink_appliance.dpu", str(profile_path), "--ready-file", str(self._ready_file)]
+        fe_argv += ["--parent-pid", me]
+        if host is not None:
+            fe_argv += ["--host", host]
+        if port is not None:
+            fe_argv += ["--port", str(port)]
+        self.frontend = _Child("frontend", fe_argv)
+        self.url: str | None = None
+
+    # -- the whole life ---------------------------------------------------------------------------
+    def run(self) -> int:
+        from blink_appliance.transport.region import RingRegion
+        from blink_appliance.transport.ring_layout import region_size
+        from blink_appliance.transport.shm_transport import ShmTransport
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        ensure_model(self.profile.model.model_source)
+        geometry = ring_geometry(self.profile)
+        transport = ShmTransport.create(self.profile.appliance.shm_name, region_size(geometry))
+        region = RingRegion.create(transport, geometry)
+        say(f"ring region /dev/shm/{self.profile.appliance.shm_name}: {transport.size / 2**20:.1f} MiB")
+        try:
+            self._start_engine(region)
+            if self._stop.is_set():
+                return self._shutdown(region)
+            self._start_frontend()
+            say(f"ready: {self.url}  (model {self.profile.model.name}; SIGTERM or Ctrl-C drains and stops)")
+            print(self.url, flush=True)  # stdout carries only the URL, for scripts
+            self._supervise(region)
+            return self._shutdown(region)
+        except StartupError as e:
+            say(f"error: {e}")
+            self._shutdown(region)
+            return 1
+        finally:
+            transport.close()
+            self._ready_file.unlink(missing_ok=True)
+            self._workdir.rmdir()
+
+    def _start_engine(self, region: object) -> None:
+        from blink_appliance.transport.ring_layout import EngineState
+
+        epoch = region.load("engine_epoch")  # type: ignore[attr-defined]
+        self.engine.start()
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while not self._stop.is_set():
+            state = region.load("engine_state")  # type: ignore[attr-defined]
+            if region.load("engine_epoch") > epoch and state == EngineState.RUNNING:  # type: ignore[attr-defined]
+                say("engine is serving")
+                return
+            code = self.engine.exited()
+            if code is not None:
+                raise StartupError(
+                    f"the engine process exited with code {code} while starting (see its output above)"
+                )
+            if time.monotonic() > deadline:
+                raise StartupError(f"the engine did not start within {ENGINE_START_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
+
+    def _start_frontend(self) -> None:
+        self._ready_file.unlink(missing_ok=True)
+        self.frontend.start()
+        deadline = time.monotonic() + FRONTEND_START_TIMEOUT_S
+        while not self._ready_file.exists():
+            code = self.frontend.exited()
+            if code is not None:
+                raise StartupError(
+                    f"the front end exited with code {code} while starting (see its output above)"
+                )
+            if self._stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise StartupError(f"the front end did not start within {FRONTEND_START_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
+        self.url = self._ready_file.read_text().strip()
+
+    def _supervise(self, region: object) -> None:
+        while not self._stop.wait(0.2):
+            code = self.engine.exited()
+            if code is not None:
+                say(f"engine exited with code {code}; its in-flight requests were failed")
+                self._restart(self.engine, lambda: self._start_engine(region))
+            code = self.frontend.exited()
+            if code is not None:
+                say(f"front end exited with code {code}")
+                self._restart(self.frontend, self._start_frontend)
+
+    def _restart(self, child: _Child, start: Callable[[], None]) -> None:
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < _RESTART_WINDOW_S] + [now]
+        limit = self.profile.appliance.engine_restarts
+        if len(child.restarts) > limit:
+            raise StartupError(
+                f"{child.name} crashed {len(child.restarts)} times within {_RESTART_WINDOW_S:.0f}s; giving up"
+            )
+        say(f"restarting {child.name} ({len(child.restarts)}/{limit})")
+        start()
+
+    def _shutdown(self, region: object) -> int:
+        """Front end first (it drains), then the engine; exit code 0 when both went cleanly."""
+        say("draining")
+        drain = self.profile.appliance.drain_timeout_s
+        fe_code = self.frontend.stop(drain + 10.0)
+        region.store("shutdown", 1)  # type: ignore[attr-defined]
+        engine_code = self.engine.stop(15.0)
+        say(f"stopped (front end exit {fe_code}, engine exit {engine_code})")
+        return 0 if fe_code in (0, None) and engine_code in (0, None) else 1
+
+
+def run_up(profile: Profile, profile_path: Path, *, host: str | None, port: int | None) -> int:
+    try:
+        profile = profile.with_overrides(host=host, port=port)
+    except ProfileError as e:
+        say(str(e))
+        return 2
+    return ApplianceDaemon(profile, profile_path, host=host, port=port).run()

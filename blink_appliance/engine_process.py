@@ -1,0 +1,120 @@
+"""The engine process: profile -> load the model -> LLMEngine -> EngineServer on the shared rings.
+
+Started by the daemon (`python -m blink_appliance.engine_process PROFILE`) after it created the
+shared region. It serves until SIGTERM (or the region's shutdown word), then aborts what is in
+flight and exits 0. It ignores SIGINT: a Ctrl-C in the terminal reaches the whole process group,
+and only the daemon decides how the appliance drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from blink_appliance.profile import Profile, ProfileError, load_profile, resolve_plan, ring_geometry
+
+log = logging.getLogger("blink_appliance.engine")
+
+
+def pin_cpus(cpus: list[int], what: str) -> None:
+    """Pin this process to `cpus` (empty: leave it alone); a bad list is an error, not a warning."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"{what}: cannot pin to CPUs {cpus}: {e}") from None
+
+
+def exit_with_parent(parent_pid: int, stop: threading.Event) -> None:
+    """Stop when the daemon that started us is gone (killed with SIGKILL, say)."""
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            if os.getppid() != parent_pid:
+                log.error("the daemon (pid %d) is gone; stopping", parent_pid)
+                stop.set()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _stage(message: str) -> float:
+    print(f"[engine] {message} ...", file=sys.stderr, flush=True)
+    return time.monotonic()
+
+
+def _done(t0: float) -> None:
+    print(f"[engine]   done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+
+
+def serve(profile: Profile, stop: threading.Event) -> None:
+    import torch
+
+    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
+    from blink_appliance.model.loaders import build_model, load_checkpoint
+    from blink_appliance.transport.engine_server import EngineServer
+    from blink_appliance.transport.shm_transport import ShmTransport
+
+    m = profile.model
+    pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus")
+    t0 = _stage(f"loading {m.model_source}")
+    ckpt = load_checkpoint(m.model_source, seed=m.seed)
+    plan = resolve_plan(m, ckpt.config)
+    model = build_model(ckpt, dtype=getattr(torch, m.dtype), device=m.device)
+    del ckpt  # the fp32 copy of the weights; the model holds its own
+    _done(t0)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            block_size=plan.block_size,
+            num_kv_blocks=plan.num_kv_blocks,
+            max_num_seqs=plan.max_seqs,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+            max_model_len=plan.max_model_len,
+            eos_token_ids=tuple(model.config.eos_token_ids),
+        ),
+    )
+    transport = ShmTransport.open(profile.appliance.shm_name)
+    try:
+        server = EngineServer(engine, transport, ring_geometry(profile), vocab_size=model.config.vocab_size)
+        print("[engine] serving on the rings", file=sys.stderr, flush=True)
+        server.run(stop)
+    finally:
+        transport.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m blink_appliance.engine_process")
+    parser.add_argument("profile")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    args = parser.parse_args(argv)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as e:
+        print(f"[engine] {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=profile.appliance.log_level.upper(), format="[engine] %(levelname)s %(message)s"
+    )
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid, stop)
+    try:
+        serve(profile, stop)
+    except ProfileError as e:
+        print(f"[engine] {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The front-end process: `python -m blink_appliance.dpu PROFILE [--host H] [--port P] [--ready-file F]`.
+
+Attaches to the rings the daemon created, serves HTTP, and on SIGTERM drains: new requests get
+503, in-flight ones get `appliance.drain_timeout_s` to finish, the rest are cancelled, exit 0.
+SIGINT is ignored (the daemon decides); see engine_process.py for why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from aiohttp import web
+
+from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
+
+log = logging.getLogger("blink_appliance.dpu")
+
+
+def _pin(cpus: list[int]) -> None:
+    if cpus:
+        try:
+            os.sched_setaffinity(0, set(cpus))
+        except (OSError, ValueError) as e:
+            raise ProfileError(f"frontend.cpus: cannot pin to CPUs {cpus}: {e}") from None
+
+
+async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | None) -> None:
+    from blink_appliance.dpu.app import create_app
+    from blink_appliance.dpu.auth import configured_keys
+    from blink_appliance.dpu.completion_service import CompletionService, ServiceLimits
+    from blink_appliance.dpu.metrics import ServingMetrics
+    from blink_appliance.model.detokenizer import IncrementalDetokenizer
+
+    from blink_appliance.model.loaders import load_tokenizer
+    from blink_appliance.telemetry.source import TelemetrySource
+    from blink_appliance.transport.engine_client import EngineClient
+    from blink_appliance.transport.shm_transport import ShmTransport
+
+    m, fe = profile.model, profile.frontend
+    _pin(fe.cpus)
+    tokenizer = await asyncio.to_thread(load_tokenizer, m.model_source)
+    if tokenizer is None:
+        raise ProfileError(
+            f"models[0].source: {m.model_source!r} has no tokenizer, and the HTTP front end needs one "
+            "(dummy: models serve benchmarks through the rings only)"
+        )
+    geometry = ring_geometry(profile)
+    transport = ShmTransport.open(profile.appliance.shm_name)
+    client = EngineClient.attach(transport, geometry)
+    await client.start()
+
+    telemetry = (
+        TelemetrySource(
+            lambda: {m.name: client.telemetry()}, models=[m.name], interval_s=profile.telemetry.interval_s
+        )
+        if profile.telemetry.enabled
+        else None
+    )
+    metrics = ServingMetrics(
+        m.name,
+        engine_telemetry=client.telemetry,
+        engine_alive=lambda: client.engine_alive,
+        tracker=telemetry.latency(m.name) if telemetry is not None else None,
+    )
+    limits = ServiceLimits(
+        model_name=m.name,
+        max_model_len=m.max_model_len,
+        max_prompt_tokens=geometry.max_prompt_tokens,
+        max_output_tokens=geometry.max_output_tokens,
+        max_stop_ids=geometry.max_stop_ids,
+    )
+
+    def detokenizer(tok: object, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=True)
+
+    service = CompletionService(client, tokenizer, detokenizer, limits, metrics)
+    app = create_app(
+        service,
+        api_keys=configured_keys(fe.api_keys),
+        max_request_bytes=fe.max_request_bytes,
+        telemetry=telemetry,
+    )
+    # handler_cancellation: a client that disconnects cancels its handler, hence its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, fe.host, fe.port, backlog=1024)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    port = sockets[0].getsockname()[1] if sockets else fe.port
+    host = f"[{fe.host}]" if ":" in fe.host else fe.host
+    url = f"http://{host}:{port}"
+    log.info("front end serving %s on %s", m.name, url)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(url)
+        tmp.replace(ready_file)  # atomic: the daemon never reads half a URL
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if parent_pid is not None:
+        _watch_parent(parent_pid, loop, stop)
+    await stop.wait()
+
+    # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left.
+    service.draining = True
+    log.info("draining %d in-flight request(s)", service.inflight)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(service.wait_idle(), profile.appliance.drain_timeout_s)
+    if service.inflight:
+        log.warning("drain timeout: cancelling %d request(s)", service.inflight)
+    await client.close()  # cancels and ends what is still open
+    await runner.cleanup()
+    transport.close()
+
+
+def _watch_parent(parent_pid: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    def watch() -> None:
+        while not stop.is_set():
+            if os.getppid() != parent_pid:
+                loop.call_soon_threadsafe(stop.set)
+                return
+            threading.Event().wait(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m blink_appliance.dpu", description="the HTTP front end")
+    parser.add_argument("profile")
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--ready-file", type=Path, default=None, help="write the served URL here when ready")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        profile = load_profile(args.profile).with_overrides(host=args.host, port=args.port)
+    except ProfileError as e:
+        print(f"[frontend] {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=profile.appliance.log_level.upper(), format="[frontend] %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(profile, args.ready_file, args.parent_pid))
+    except ProfileError as e:
+        print(f"[frontend] {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
