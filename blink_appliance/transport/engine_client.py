@@ -48,12 +48,21 @@ class _Pending:
 
 class EngineClient:
     def __init__(
-        self, region: RingRegion, *, dead_after_s: float = 0.8, poll_interval_s: float = 0.0005
+        self,
+        region: RingRegion,
+        *,
+        dead_after_s: float = 0.8,
+        poll_interval_s: float = 0.0005,
+        spin_s: float = 0.0005,
     ) -> None:
         self.region = region
         self.geometry = region.geometry
         self.dead_after_ns = int(dead_after_s * 1e9)
         self.poll_interval_s = poll_interval_s
+        # After activity, poll without sleeping this long: asyncio sleeps round up to 1 ms.
+        self.spin_ns = int(spin_s * 1e9)
+        self._active_ns = 0  # last submit or delivered event
+        self._nap_future: asyncio.Future[None] | None = None
         n = self.geometry.max_inflight
         self._tracked_gen = np.zeros(n, dtype=np.uint64)  # generation we wait on per slot; 0 = free
         self._delivered = np.zeros(n, dtype=np.uint64)  # tokens read from each slot
@@ -183,6 +192,8 @@ class EngineClient:
         r.store("next_request_id", self._next_id)
         r.doorbell("req_head", self._head)
 
+        self._active_ns = time.monotonic_ns()
+        self._wake()  # the pump spins again while this request is young
         pending = _Pending(request_id, slot, generation)
         self._by_id[request_id] = pending
         self._by_slot[slot] = pending
@@ -248,11 +259,31 @@ class EngineClient:
     # -- the pump ---------------------------------------------------------------------------------
     async def _run_pump(self) -> None:
         while True:
-            self.region.store("frontend_heartbeat_ns", time.monotonic_ns())
-            moved = self._poll_channels()
+            now = time.monotonic_ns()
+            self.region.store("frontend_heartbeat_ns", now)
+            if self._poll_channels():
+                self._active_ns = now
             if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
                 self._fail_pending("engine is dead: heartbeat stale or engine stopped")
-            await asyncio.sleep(0 if moved else self.poll_interval_s)
+            if bool(self._by_slot) and now - self._active_ns < self.spin_ns:
+                await asyncio.sleep(0)
+            else:
+                await self._nap(self.poll_interval_s)
+
+    async def _nap(self, seconds: float) -> None:
+        """Sleep that `submit` can cut short (no syscall: just resolves a future on this loop)."""
+        loop = asyncio.get_running_loop()
+        self._nap_future = loop.create_future()
+        handle = loop.call_later(seconds, self._wake)
+        try:
+            await self._nap_future
+        finally:
+            handle.cancel()
+            self._nap_future = None
+
+    def _wake(self) -> None:
+        if self._nap_future is not None and not self._nap_future.done():
+            self._nap_future.set_result(None)
 
     def _poll_channels(self) -> bool:
         """One pass over the tracked channels; True if any event was delivered or slot freed."""
