@@ -24,8 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blink_appliance.profile import Profile, ProfileError, ring_geometry
+
+if TYPE_CHECKING:
+    from blink_appliance.transport.region import RingRegion
 
 log = logging.getLogger("blink_appliance.daemon")
 
@@ -44,6 +48,8 @@ def say(message: str) -> None:
 
 def ensure_model(source: str, progress: Callable[[str], None] = say) -> None:
     """Pull a named model into the local cache now, so neither process downloads on its own."""
+    if source.partition(":")[0] in ("hf", "gguf", "dummy"):
+        return  # a local path or random weights: nothing to pull
     from blink_appliance.model.loaders import model_registry
 
     if model_registry.is_named(source):
@@ -111,13 +117,17 @@ class ApplianceDaemon:
     def run(self) -> int:
         from blink_appliance.transport.region import RingRegion
         from blink_appliance.transport.ring_layout import region_size
-        from blink_appliance.transport.shm_transport import ShmTransport
+        from blink_appliance.transport.shm_transport import RegionInUseError, ShmTransport
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         ensure_model(self.profile.model.model_source)
         geometry = ring_geometry(self.profile)
-        transport = ShmTransport.create(self.profile.appliance.shm_name, region_size(geometry))
+        try:
+            transport = ShmTransport.create(self.profile.appliance.shm_name, region_size(geometry))
+        except RegionInUseError as e:
+            say(f"error: {e}; is another appliance running? Give this one its own [appliance] shm_name")
+            return 1
         region = RingRegion.create(transport, geometry)
         say(f"ring region /dev/shm/{self.profile.appliance.shm_name}: {transport.size / 2**20:.1f} MiB")
         try:
@@ -138,15 +148,15 @@ class ApplianceDaemon:
             self._ready_file.unlink(missing_ok=True)
             self._workdir.rmdir()
 
-    def _start_engine(self, region: object) -> None:
+    def _start_engine(self, region: RingRegion) -> None:
         from blink_appliance.transport.ring_layout import EngineState
 
-        epoch = region.load("engine_epoch")  # type: ignore[attr-defined]
+        epoch = region.load("engine_epoch")
         self.engine.start()
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while not self._stop.is_set():
-            state = region.load("engine_state")  # type: ignore[attr-defined]
-            if region.load("engine_epoch") > epoch and state == EngineState.RUNNING:  # type: ignore[attr-defined]
+            state = region.load("engine_state")
+            if region.load("engine_epoch") > epoch and state == EngineState.RUNNING:
                 say("engine is serving")
                 return
             code = self.engine.exited()
@@ -175,7 +185,7 @@ class ApplianceDaemon:
             time.sleep(0.05)
         self.url = self._ready_file.read_text().strip()
 
-    def _supervise(self, region: object) -> None:
+    def _supervise(self, region: RingRegion) -> None:
         while not self._stop.wait(0.2):
             code = self.engine.exited()
             if code is not None:
@@ -197,12 +207,12 @@ class ApplianceDaemon:
         say(f"restarting {child.name} ({len(child.restarts)}/{limit})")
         start()
 
-    def _shutdown(self, region: object) -> int:
+    def _shutdown(self, region: RingRegion) -> int:
         """Front end first (it drains), then the engine; exit code 0 when both went cleanly."""
         say("draining")
         drain = self.profile.appliance.drain_timeout_s
         fe_code = self.frontend.stop(drain + 10.0)
-        region.store("shutdown", 1)  # type: ignore[attr-defined]
+        region.store("shutdown", 1)
         engine_code = self.engine.stop(15.0)
         say(f"stopped (front end exit {fe_code}, engine exit {engine_code})")
         return 0 if fe_code in (0, None) and engine_code in (0, None) else 1

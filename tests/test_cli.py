@@ -1,0 +1,89 @@
+"""The `blink-appliance` command line: check, argument errors, refusals (no live appliance here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from blink_appliance.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _profile(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "p.toml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_check_prints_the_resolved_plan(tmp_path, capsys):
+    path = _profile(
+        tmp_path,
+        """
+        [[models]]
+        name = "tiny"
+        source = "dummy:tiny"
+        kv_budget_gib = 0.001
+        max_model_len = 256
+        max_seqs = 4
+        """,
+    )
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out
+    assert "weights" in out and "kv cache" in out and "blocks x 16 tokens" in out
+    assert "max_seqs       4" in out and "token budget   512" in out
+    assert "rings /dev/shm/blink-appliance" in out
+    assert "http://127.0.0.1:8000 over shm" in out
+
+
+def test_check_refuses_what_is_not_built(capsys):
+    assert main(["check", str(REPO / "profiles" / "gpu-h100.example.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "models[0].device: 'cuda:0': not built yet" in err
+
+
+def test_check_reports_plan_errors_with_the_key(tmp_path, capsys):
+    path = _profile(
+        tmp_path,
+        """
+        [[models]]
+        name = "tiny"
+        source = "dummy:tiny"
+        kv_budget_gib = 0.00001
+        max_model_len = 1024
+        """,
+    )
+    assert main(["check", str(path)]) == 2
+    assert "models[0].kv_budget_gib" in capsys.readouterr().err
+
+
+def test_unknown_source_and_missing_profile(tmp_path, capsys):
+    path = _profile(tmp_path, '[[models]]\nname = "x"\nsource = "bogus:thing"\nkv_budget_gib = 1\n')
+    assert main(["check", str(path)]) == 2
+    assert "model source" in capsys.readouterr().err
+    assert main(["up", str(tmp_path / "missing.toml")]) == 2
+    assert "profile not found" in capsys.readouterr().err
+
+
+def test_up_refuses_bad_overrides(tmp_path, capsys):
+    path = _profile(
+        tmp_path,
+        '[[models]]\nname = "t"\nsource = "dummy:tiny"\nkv_budget_gib = 0.001\nmax_model_len = 256\n',
+    )
+    assert main(["up", str(path), "--port", "99999"]) == 2
+    assert "frontend.port" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).parent / "blink-appliance"
+    if not exe.exists():
+        pytest.skip("package not installed into this interpreter's environment")
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for command in ("up", "check", "models", "top"):
+        assert command in r.stdout
