@@ -181,17 +181,15 @@ def parse_request(cls: type[RequestT], body: Any) -> RequestT:
         request = cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = [str(p) for p in err["loc"] if not isinstance(p, int) or p >= 0]
-        param = ".".join(p for p in loc if not p.isdigit()) or None
-        top = str(err["loc"][0]) if err["loc"] else None
+        loc = [str(p) for p in err["loc"]]
+        where = ".".join(loc)
+        param = loc[0] if loc else None  # OpenAI names the top-level parameter
         if err["type"] == "extra_forbidden":
-            raise bad_request(f"unknown parameter '{'.'.join(loc)}'", top, "unknown_parameter") from None
+            raise bad_request(f"unknown parameter '{where}'", param, "unknown_parameter") from None
         if err["type"] == "missing":
-            raise bad_request(
-                f"missing required parameter '{'.'.join(loc)}'", top, "missing_parameter"
-            ) from None
+            raise bad_request(f"missing required parameter '{where}'", param, "missing_parameter") from None
         msg = str(err["msg"]).removeprefix("Value error, ")
-        raise bad_request(f"invalid '{'.'.join(loc)}': {msg}", param or top, "invalid_value") from None
+        raise bad_request(f"invalid '{where}': {msg}", param, "invalid_value") from None
     problem = request.unsupported()
     if problem is not None:
         raise problem
