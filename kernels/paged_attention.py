@@ -8,12 +8,19 @@ sees keys 0..that position.
 Work split: a program takes up to BLOCK_Q consecutive query tokens of one sequence and one KV head,
 with that head's whole GQA group stacked into the tile's rows (BLOCK_Q * group rows), so each K/V tile
 it loads serves every query head that shares it. The grid has a fixed size for a fixed T and max_seqs
-(no host look at the metadata): program p finds its sequence as the last s with
-`query_start[s] // BLOCK_Q + s <= p` (this numbering gives each sequence at least as many programs as
-it has query blocks). Index S (one past the last sequence) stands for the padding rows from
-`query_start[S]` to T; they have no keys and are written as zeros, so every output row is written.
+(no host look at the metadata): program p finds its sequence as the last non-empty s with
+`query_start[s] // BLOCK_Q + rank(s) <= p`, rank(s) counting the non-empty runs before s (this
+numbering gives each run at least as many programs as it has query blocks, and empty sequence slots
+none, so the grid is cdiv(T, BLOCK_Q) + min(T, S) + 1). Index S (one past the last sequence) stands
+for the padding rows from `query_start[S]` to T; they have no keys and are written as zeros, so every
+output row is written.
 Online softmax in fp32; keys are gathered per token through the block table, so the key tile need not
 match the cache block size.
+
+Split-KV (flash-decoding): with NUM_SPLITS > 1 a third grid axis cuts each program's key range into
+that many contiguous pieces, each written unnormalized (acc, running max, running sum) to fp32 partials;
+`_combine_splits_kernel` merges them. Decode steps have few query tokens and long key ranges; splitting
+puts more programs (more loads in flight) on the same bytes, which is what a latency-bound loop needs.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ def _paged_attention_kernel(
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
+    partial_acc_ptr,
+    partial_ml_ptr,
     query_start_ptr,
     context_lens_ptr,
     block_tables_ptr,
@@ -49,21 +58,32 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
-    # Which sequence (or the padding tail, index num_seqs) this program serves.
+    # Which sequence (or the padding tail, index num_seqs) this program serves. Non-empty runs are
+    # numbered query_start[s] // BLOCK_Q + (non-empty runs before s): enough programs for each run's
+    # query blocks, and empty sequence slots cost no programs.
     s_idx = tl.arange(0, SEQS_PAD)
-    starts = tl.load(query_start_ptr + s_idx, mask=s_idx <= num_seqs, other=0)
-    first_block = starts // BLOCK_Q + s_idx
-    seq = tl.sum(((first_block <= pid) & (s_idx <= num_seqs)).to(tl.int32), axis=0) - 1
+    in_range = s_idx <= num_seqs
+    starts = tl.load(query_start_ptr + s_idx, mask=in_range, other=num_tokens)
+    ends = tl.load(query_start_ptr + s_idx + 1, mask=s_idx < num_seqs, other=num_tokens)
+    nonempty = (ends > starts) & in_range
+    ne = nonempty.to(tl.int32)
+    rank = tl.cumsum(ne, axis=0) - ne
+    first_block = starts // BLOCK_Q + rank
+    seq = tl.max(tl.where(nonempty & (first_block <= pid), s_idx, -1), axis=0)
+    seq = tl.maximum(seq, 0)  # only when T == 0 or the grid overshoots; then t0 >= seq_end below
+    seq_first_block = tl.sum(tl.where(s_idx == seq, first_block, 0), axis=0)
     is_seq = seq < num_seqs
     seq_start = tl.load(query_start_ptr + seq)
     seq_end = tl.load(query_start_ptr + seq + 1, mask=is_seq, other=num_tokens)
     ctx = tl.load(context_lens_ptr + seq, mask=is_seq, other=0)
-    t0 = seq_start + (pid - (seq_start // BLOCK_Q + seq)) * BLOCK_Q
+    t0 = seq_start + (pid - seq_first_block) * BLOCK_Q
 
     rows = tl.arange(0, BLOCK_M)
     tok = t0 + rows // GROUP_PAD
@@ -87,9 +107,13 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     slot_stride = NUM_KV_HEADS * HEAD_DIM
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    for start in range(0, kv_end, BLOCK_N):
+    # This split's slice of the key range, in whole key tiles.
+    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        k_in = k_pos < kv_end
+        k_in = k_pos < kv_hi
         blk = tl.load(table + k_pos // BLOCK_SIZE, mask=k_in, other=0)
         slot = blk.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
         kv_off = slot[:, None] * slot_stride + kv_head * HEAD_DIM + d[None, :]
@@ -107,17 +131,55 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + tok64[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
-    )
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok64[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+    else:
+        # partials: acc [NUM_SPLITS, T, num_heads, HEAD_DIM], (m, l) [NUM_SPLITS, T, num_heads, 2].
+        num_heads = NUM_KV_HEADS * GROUP
+        row = (split * num_tokens + tok64) * num_heads + head
+        tl.store(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+        tl.store(partial_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(partial_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_acc_ptr,
+    partial_ml_ptr,
+    out_ptr,
+    num_tokens,
+    out_stride,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_in = sp < NUM_SPLITS
+    row = (sp * num_tokens + t) * NUM_HEADS + h
+    run_max = tl.load(partial_ml_ptr + row * 2, mask=sp_in, other=float("-inf"))
+    run_sum = tl.load(partial_ml_ptr + row * 2 + 1, mask=sp_in, other=0.0)
+    m_max = tl.max(run_max, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    # A split that saw no visible key for this row (max -inf) contributes nothing.
+    w = tl.where(run_max == float("-inf"), 0.0, tl.math.exp2(run_max - m_max))
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=sp_in[:, None], other=0.0)
+    total = tl.sum(w * run_sum, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * out_stride + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
 def attention_grid(num_tokens: int, max_seqs: int, block_q: int, num_kv_heads: int) -> tuple[int, int]:
     """Programs for a fixed (T, max_seqs): enough for any split of T tokens over max_seqs sequences."""
-    return (triton.cdiv(num_tokens, block_q) + max_seqs + 1, num_kv_heads)
+    return (triton.cdiv(num_tokens, block_q) + min(num_tokens, max_seqs) + 1, num_kv_heads)
 
 
 def paged_attention(
@@ -134,11 +196,16 @@ def paged_attention(
     scale: float,
     block_q: int = 16,
     block_n: int = 32,
+    num_splits: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q: [T, >= num_heads*head_dim] (row stride free, e.g. the q part of a fused QKV buffer);
     k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
     out: [T, num_heads*head_dim]; query_start [S+1], context_lens [S], block_tables [S, B] int32.
     Every row of out is written (padding rows past query_start[S] get zeros).
+    num_splits > 1 splits every key range (flash-decoding) and merges through `partials`: fp32 buffers
+    with at least num_splits*T*num_heads*head_dim and num_splits*T*num_heads*2 elements
+    (`split_partials` allocates them; a captured step passes preallocated ones).
     """
     tokens = q.shape[0]
     num_seqs = context_lens.shape[0]
@@ -160,12 +227,29 @@ def paged_attention(
     block_q = max(block_q, triton.cdiv(16, group_pad))
     block_q = triton.next_power_of_2(block_q)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = attention_grid(tokens, num_seqs, block_q, num_kv_heads)
+    if num_splits < 1:
+        raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1:
+        if partials is None:
+            partials = split_partials(num_splits, tokens, num_heads, head_dim, q.device)
+        acc_buf, ml_buf = partials
+        if (
+            acc_buf.numel() < num_splits * tokens * num_heads * head_dim
+            or ml_buf.numel() < num_splits * tokens * num_heads * 2
+        ):
+            raise ValueError("paged_attention: partials too small for this split count and T")
+        if acc_buf.dtype != torch.float32 or ml_buf.dtype != torch.float32:
+            raise ValueError("paged_attention: partials must be fp32")
+    else:
+        acc_buf = ml_buf = out
+    grid = attention_grid(tokens, num_seqs, block_q, num_kv_heads) + (num_splits,)
     _paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
         out,
+        acc_buf,
+        ml_buf,
         query_start,
         context_lens,
         block_tables,
@@ -184,6 +268,29 @@ def paged_attention(
         BLOCK_N=block_n,
         SEQS_PAD=triton.next_power_of_2(num_seqs + 1),
         DOT_PRECISION=dot_precision,
+        NUM_SPLITS=num_splits,
         num_warps=4,
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(tokens, num_heads)](
+            acc_buf,
+            ml_buf,
+            out,
+            tokens,
+            out.stride(0),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=1 if head_dim <= 64 else 2,
+        )
     return out
+
+
+def split_partials(
+    num_splits: int, num_tokens: int, num_heads: int, head_dim: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scratch for split-KV attention: (acc, (max, sum)) per split, token and head."""
+    acc = torch.empty(num_splits * num_tokens * num_heads * head_dim, dtype=torch.float32, device=device)
+    ml = torch.empty(num_splits * num_tokens * num_heads * 2, dtype=torch.float32, device=device)
+    return acc, ml

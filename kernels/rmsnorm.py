@@ -1,9 +1,10 @@
 """RMSNorm fused with the residual add, optionally over a gathered subset of rows.
 
 One program per output row. With a residual, the row first becomes `residual + x` (rounded to the
-storage dtype, as the reference model's add is) and that sum is written back into the residual stream;
-the norm is taken in fp32, cast to the storage dtype, then scaled by the weight, exactly the order of
-the reference RMSNorm. With `rows`, output row r reads input row rows[r] (the final norm runs only on
+residual's dtype) and that sum is written back into the residual stream; with `residual_in=False` the
+stream is only started (residual = x, for the first layer). The norm is taken in fp32, cast to the
+output dtype, then scaled by the weight: the order of the reference RMSNorm. The residual may be fp32
+under bf16 activations (a more accurate stream at the cost of a few KB per token of traffic). With `rows`, output row r reads input row rows[r] (the final norm runs only on
 the rows that sample); a negative index yields a zero row.
 """
 
@@ -27,6 +28,7 @@ def _add_rmsnorm_kernel(
     out_stride,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    RESIDUAL_IN: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -41,18 +43,23 @@ def _add_rmsnorm_kernel(
     valid = src >= 0
     src = tl.maximum(src, 0)
     x = tl.load(x_ptr + src * x_stride + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        res = tl.load(residual_ptr + src * residual_stride + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-        if WRITE_RESIDUAL:
-            tl.store(residual_ptr + src * residual_stride + cols, x, mask=mask)
+    out_dtype = out_ptr.dtype.element_ty
     xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        res_dtype = residual_ptr.dtype.element_ty
+        if RESIDUAL_IN:
+            res = tl.load(residual_ptr + src * residual_stride + cols, mask=mask, other=0.0)
+            xf = xf + res.to(tl.float32)
+        summed = xf.to(res_dtype)
+        xf = summed.to(tl.float32)
+        if WRITE_RESIDUAL:
+            tl.store(residual_ptr + src * residual_stride + cols, summed, mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    normed = (xf * rstd).to(out_dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = normed * w
     y = tl.where(valid, y, 0.0)
-    tl.store(out_ptr + r * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + r * out_stride + cols, y.to(out_dtype), mask=mask)
 
 
 def add_rmsnorm(
@@ -63,12 +70,16 @@ def add_rmsnorm(
     residual: torch.Tensor | None = None,
     write_residual: bool = True,
     rows: torch.Tensor | None = None,
+    residual_in: bool = True,
 ) -> torch.Tensor:
     """out[r] = rmsnorm(x[src] (+ residual[src])) * weight, src = rows[r] if rows is given else r.
 
     x, residual: [N, H]; out: [R, H] (R = len(rows), or N). With a residual and write_residual, the
-    sum is stored into residual[src] (the residual stream advances in place).
+    sum is stored into residual[src] (the residual stream advances in place). residual_in=False
+    starts the stream: residual[src] = x[src], nothing read from it.
     """
+    if not residual_in and (residual is None or not write_residual):
+        raise ValueError("add_rmsnorm: residual_in=False needs a residual to write")
     hidden = x.shape[-1]
     n_out = rows.shape[0] if rows is not None else x.shape[0]
     if out.shape[0] < n_out or out.shape[-1] != hidden:
@@ -87,6 +98,7 @@ def add_rmsnorm(
         out.stride(0),
         eps,
         HAS_RESIDUAL=residual is not None,
+        RESIDUAL_IN=residual_in,
         WRITE_RESIDUAL=residual is not None and write_residual,
         HAS_ROWS=rows is not None,
         BLOCK=triton.next_power_of_2(hidden),

@@ -9,6 +9,7 @@ checked against eager steps and the reference.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def _poison(fwd: GpuForward) -> None:
 
 
 def _to(batch, device):
-    from dataclasses import fields, replace
+    from dataclasses import fields
 
     return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)})
 
@@ -115,6 +116,8 @@ def test_captured_graphs_match_reference(dtype):
 
     ckpt = load_checkpoint("dummy:smollm2-135m", seed=5)
     cfg = ckpt.config
+    # Same weights on both sides: what the bf16 forward holds, upcast for the fp32 reference.
+    ckpt = replace(ckpt, weights={k: v.to(dtype).float() for k, v in ckpt.weights.items()})
     ref_model = build_model(ckpt, torch.float32, DEVICE)
     ref_kv = _fresh_kv(cfg, torch.float32, DEVICE)
     kv = _fresh_kv(cfg, dtype, DEVICE)
@@ -138,4 +141,6 @@ def test_captured_graphs_match_reference(dtype):
         R = batch.sample_rows.shape[0]
         assert torch.isfinite(got).all()
         err = ((got[:R] - want).norm() / want.norm()).item()
-        assert err < (1e-2 if dtype == torch.bfloat16 else 1e-4), f"bucket {T}: relative error {err:.2e}"
+        # bf16 over 30 random layers: the reference model itself run in bf16 lands ~1.4e-2 from fp32
+        # (measured on the CPU); with its fp32 residual stream the forward lands nearer, ~0.8e-2.
+        assert err < (1.2e-2 if dtype == torch.bfloat16 else 1e-4), f"bucket {T}: relative error {err:.2e}"

@@ -82,20 +82,24 @@ CPU_CASES = [
     ([(9, 5), (37, 1), (0, 3)], 3, 9, 4, 6, 2, 16),  # chunk over a cached prefix, group of 3
     ([(61, 1), (0, 19)], 2, 20, 8, 4, 4, 32),  # many blocks; MHA; odd prefill longer than BLOCK_Q
     ([(0, 0), (3, 2)], 4, 5, 16, 8, 1, 16),  # an empty sequence before a real one; MQA
+    # idle sequence slots (cached keys, no tokens this step) between active ones; max_seqs > T
+    ([(3, 1), (5, 0), (0, 0), (7, 2), (9, 0), (1, 1)], 10, 6, 4, 4, 2, 16),
 ]
 GPU_CASES = [
     ([(0, 37), (100, 1), (511, 1), (7, 65), (0, 1)], 8, 128, 16, 32, 8, 64),
     ([(1000, 1)] * 8, 8, 8, 16, 32, 8, 128),
     ([(0, 300), (2047, 1), (33, 200)], 16, 512, 16, 32, 8, 128),
     ([(5, 3), (0, 77)], 4, 96, 32, 9, 3, 64),
+    ([(300, 1) if s % 8 == 3 else (40, 0) for s in range(64)], 128, 8, 16, 32, 8, 64),  # idle slots
 ]
 
 
 @pytest.mark.parametrize("case", GPU_CASES if GPU else CPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if GPU else [torch.float32])
-def test_paged_attention_matches_reference(case, dtype):
+@pytest.mark.parametrize("num_splits", [1, 3, 4])
+def test_paged_attention_matches_reference(case, dtype, num_splits):
     runs, max_seqs, T, bs, H, HKV, D = case
-    gen = torch.Generator().manual_seed(hash((str(case), str(dtype))) % 2**31)
+    gen = torch.Generator().manual_seed(hash((str(case), str(dtype), num_splits)) % 2**31)
     query_start, ctx, tables, k, v = make_paged_case(runs, max_seqs, T, bs, HKV, D, dtype, gen)
     # q as the leading part of a wider fused-QKV row, to exercise the row stride.
     qkv = torch.randn(T, (H + 2 * HKV) * D, generator=gen).to(dtype)
@@ -106,9 +110,16 @@ def test_paged_attention_matches_reference(case, dtype):
     dev = lambda x: x.to(DEVICE)  # noqa: E731
     out = torch.full((T, H * D), float("nan"), dtype=dtype, device=DEVICE)
     qkv_d = dev(qkv)
+    partials = None
+    if num_splits > 1:  # poisoned scratch: the merge must read only what the splits wrote
+        partials = tuple(
+            torch.full((n,), float("nan"), device=DEVICE)
+            for n in (num_splits * T * H * D, num_splits * T * H * 2)
+        )
     paged_attention(
-        qkv_d[:, : H * D], dev(k), dev(v), out, dev(query_start), dev(ctx), dev(tables), H, HKV, D, scale
-    )
+        qkv_d[:, : H * D], dev(k), dev(v), out, dev(query_start), dev(ctx), dev(tables), H, HKV, D, scale,
+        num_splits=num_splits, partials=partials,
+    )  # fmt: skip
     got = out.cpu().double()
     assert torch.isfinite(got).all(), "unwritten (NaN) output rows"
     n_real = int(query_start[-1])

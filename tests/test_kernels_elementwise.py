@@ -60,6 +60,33 @@ def test_add_rmsnorm_with_residual(hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_residual_stream_start_and_fp32_stream(dtype):
+    """residual_in=False starts the stream (residual = x); an fp32 stream under bf16 activations adds
+    without rounding to bf16."""
+    hidden = HIDDEN[0]
+    x = torch.randn(5, hidden, dtype=dtype, device=DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    stream = torch.full((5, hidden), float("nan"), dtype=torch.float32, device=DEVICE)
+    out = torch.full_like(x, float("nan"))
+    add_rmsnorm(x, w, out, 1e-5, residual=stream, residual_in=False)
+    assert torch.equal(stream, x.float())
+    assert rel(out, ref_rmsnorm(x, w, 1e-5)) < tol(dtype)
+
+    y = torch.randn_like(x)
+    before = stream.clone()
+    add_rmsnorm(y, w, out, 1e-5, residual=stream)
+    want_stream = before + y.float()
+    assert rel(stream, want_stream) < 1e-6
+    want = (
+        w.float()
+        * (want_stream * torch.rsqrt(want_stream.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()
+    )
+    assert rel(out, want) < tol(dtype)
+    with pytest.raises(ValueError, match="residual_in=False"):
+        add_rmsnorm(x, w, out, 1e-5, residual_in=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_plain_and_gathered_rows(dtype):
     hidden = HIDDEN[0]
     x = torch.randn(9, hidden, dtype=dtype, device=DEVICE)

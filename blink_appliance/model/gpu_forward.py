@@ -20,12 +20,29 @@ from dataclasses import dataclass
 import torch
 
 from blink_appliance.kernels.activation import silu_and_mul
-from blink_appliance.kernels.paged_attention import paged_attention
+from blink_appliance.kernels.paged_attention import paged_attention, split_partials
 from blink_appliance.kernels.rmsnorm import add_rmsnorm
 from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables
 from blink_appliance.model.config import ModelConfig
 from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache
 from blink_appliance.model.llama import rope_inv_freq
+
+
+def attention_splits(num_tokens: int) -> int:
+    """Split-KV factor per bucket: small buckets are decode steps with few programs per layer, so each
+    key range is cut into more pieces to put more loads in flight; big buckets have parallelism enough."""
+    if num_tokens <= 8:
+        return 8
+    if num_tokens <= 32:
+        return 4
+    if num_tokens <= 128:
+        return 2
+    return 1
+
+
+def attention_block_q(num_tokens: int) -> int:
+    """Query tokens per attention program: small tiles for decode-heavy buckets, 16 for prefill."""
+    return 4 if num_tokens <= 128 else 16
 
 
 @dataclass
@@ -202,6 +219,7 @@ class GpuForward:
         max_seqs: int,
         max_blocks_per_seq: int,
         max_context_len: int | None = None,
+        residual_fp32: bool = True,
     ) -> None:
         c = config
         self.config = c
@@ -229,7 +247,9 @@ class GpuForward:
             return torch.empty(*shape, dtype=dtype, device=self.device)
 
         T, H = max_tokens, c.hidden_size
-        self._residual = buf(T, H)
+        # The residual stream in fp32 under bf16 weights: the one place where keeping precision is
+        # nearly free (a few KB per token), and it halves the drift from an fp32 reference.
+        self._residual = buf(T, H, dtype=torch.float32 if residual_fp32 else self.dtype)
         self._normed = buf(T, H)
         self._qkv = buf(T, c.q_size + 2 * c.kv_size)
         self._attn = buf(T, c.q_size)
@@ -237,6 +257,12 @@ class GpuForward:
         self._gate_up = buf(T, 2 * c.intermediate_size)
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
+        split_rows = max(
+            (attention_splits(t) * t for t in range(1, T + 1) if attention_splits(t) > 1), default=0
+        )
+        self._attn_partials = (
+            split_partials(split_rows, 1, c.num_heads, c.head_dim, self.device) if split_rows else None
+        )
         self._logits_lp = buf(max_seqs, c.vocab_size) if self.dtype != torch.float32 else None
         # fp32 logits of the sampled rows: what the sampler reads. Row r is for sample_rows[r].
         self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
@@ -258,12 +284,12 @@ class GpuForward:
         h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
         proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
-        block_q = 4 if T <= 128 else 16
+        block_q, splits = attention_block_q(T), attention_splits(T)
 
-        torch.index_select(w.embed, 0, inp.input_ids[:T], out=h)
+        torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
             if i == 0:
-                add_rmsnorm(h, layer.input_norm, x, eps)
+                add_rmsnorm(proj, layer.input_norm, x, eps, residual=h, residual_in=False)
             else:
                 add_rmsnorm(proj, layer.input_norm, x, eps, residual=h)
             if layer.qkv_bias is not None:
@@ -278,6 +304,7 @@ class GpuForward:
             paged_attention(
                 qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
                 inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=block_q,
+                num_splits=splits, partials=self._attn_partials,
             )  # fmt: skip
             torch.mm(attn, layer.o_proj.t(), out=proj)
             add_rmsnorm(proj, layer.post_norm, x, eps, residual=h)
