@@ -1,0 +1,213 @@
+"""The scheduler on its own (no model): token budget, chunked prefill, priority, preemption, the batch."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blink_appliance.engine.block_allocator import BlockAllocator
+from blink_appliance.engine.request import SamplingParams
+from blink_appliance.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    build_forward_batch,
+)
+from blink_appliance.engine.sequence import Sequence, SequenceStatus
+
+_arrival = itertools.count()
+
+
+def make_seq(rid: int, prompt_len: int, priority: int = 0) -> Sequence:
+    prompt = [(rid * 7 + i) % 100 + 3 for i in range(prompt_len)]
+    return Sequence(rid, prompt, len(prompt), SamplingParams(), priority, next(_arrival), seed=rid)
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32) -> Scheduler:
+    return Scheduler(SchedulerConfig(block_size, max_seqs, budget), BlockAllocator(num_blocks))
+
+
+def commit(out: SchedulerOutput, token: int = 5) -> None:
+    """What the engine does after the forward: advance computed counts, append sampled tokens."""
+    for c in out.chunks:
+        c.seq.num_computed_tokens = c.end
+    for c in out.sampling_chunks:
+        c.seq.token_ids.append(token)
+
+
+def plan(out: SchedulerOutput) -> list[tuple[int, int, int]]:
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_chunked_prefill_samples_only_on_the_last_chunk():
+    s = make(budget=16)
+    seq = make_seq(1, 40)
+    s.add(seq)
+    steps = []
+    for _ in range(4):
+        out = s.schedule()
+        steps.append((plan(out), [c.seq.request_id for c in out.sampling_chunks]))
+        commit(out)
+    assert steps == [
+        ([(1, 0, 16)], []),
+        ([(1, 16, 16)], []),
+        ([(1, 32, 8)], [1]),
+        ([(1, 40, 1)], [1]),  # decode: the sampled token
+    ]
+    assert len(seq.block_table) == 11  # 41 tokens in blocks of 4
+
+
+def test_decodes_get_a_token_each_and_prefill_takes_the_rest():
+    s = make(budget=10)
+    decoders = [make_seq(i, 3) for i in range(3)]
+    for d in decoders:
+        s.add(d)
+    commit(s.schedule())  # all three prefilled in one step (9 tokens)
+    long = make_seq(9, 50)
+    s.add(long)
+    out = s.schedule()
+    assert plan(out) == [(0, 3, 1), (1, 3, 1), (2, 3, 1), (9, 0, 7)]
+    assert out.num_tokens == 10
+    commit(out)
+    out = s.schedule()
+    assert plan(out) == [(0, 4, 1), (1, 4, 1), (2, 4, 1), (9, 7, 7)]
+
+
+def test_an_older_prefill_never_starves_younger_decoders():
+    s = make(budget=8)
+    long = make_seq(1, 30)
+    s.add(long)
+    commit(s.schedule())  # long: 8 of 30 computed, admitted first
+    # A sequence admitted after `long` that is already decoding (as if `long` had been preempted and
+    # readmitted around it): one computed prompt token plus the token it sampled.
+    short = make_seq(2, 1)
+    short.token_ids.append(7)
+    short.num_computed_tokens = 1
+    short.block_table = s.allocator.allocate(1)
+    short.status = SequenceStatus.RUNNING
+    s.running.append(short)
+    out = s.schedule()
+    assert plan(out) == [(1, 8, 7), (2, 1, 1)]  # one token of the budget kept for `short`
+
+
+def test_priority_then_arrival_and_max_num_seqs():
+    s = make(max_seqs=2, budget=64)
+    a, b, c, d = make_seq(1, 4, 1), make_seq(2, 4, 0), make_seq(3, 4, 1), make_seq(4, 4, 0)
+    for seq in (a, b, c, d):
+        s.add(seq)
+    out = s.schedule()
+    assert [c.seq.request_id for c in out.chunks] == [2, 4]  # priority 0 first, FCFS within it
+    assert [q.request_id for q in s.waiting] == [1, 3]
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit():
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add(make_seq(1, 20))  # 5 blocks
+    s.add(make_seq(2, 8))  # 2 blocks: does not fit after the first
+    s.add(make_seq(3, 4))  # 1 block: would fit, but FCFS does not skip
+    out = s.schedule()
+    assert plan(out) == [(1, 0, 20)]
+    assert [q.request_id for q in s.waiting] == [2, 3]
+
+
+def test_preemption_takes_the_youngest_and_recomputes_its_outputs():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    a, b = make_seq(1, 7), make_seq(2, 8)  # 2 blocks each: the pool is full after admission
+    s.add(a)
+    s.add(b)
+    commit(s.schedule(), token=11)
+    assert s.allocator.num_free == 0
+    # a's next token (position 7) still fits in its block; b's (position 8) needs a third block.
+    out = s.schedule()
+    assert plan(out) == [(1, 7, 1)]
+    assert out.preempted == [b] and s.num_preemptions == 1
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert b.token_ids[-1] == 11 and b.num_tokens == 9  # its generated token is kept
+    assert s.allocator.num_used == 2
+    commit(out, token=12)
+    s.finish(a)
+    out = s.schedule()
+    assert plan(out) == [(2, 0, 9)]  # recompute prompt + output, then sample the next token
+    assert out.sampling_chunks[0].seq is b
+    assert b.num_output_tokens == 1
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_youngest():
+    s = make(num_blocks=3, block_size=2, budget=64)
+    a, b = make_seq(1, 3), make_seq(2, 2)
+    s.add(a)
+    s.add(b)
+    commit(s.schedule())  # a: 2 blocks (3 tokens), b: 1 block (2 tokens) -> full
+    commit(s.schedule())  # a decodes at pos 3 (its 2nd block); b at pos 2 needs a block -> preempted
+    assert s.num_preemptions == 1 and [q.request_id for q in s.waiting] == [2]
+
+
+def test_forward_batch_matches_the_layout():
+    s = make(num_blocks=16, block_size=4, budget=12)
+    a, b = make_seq(1, 6), make_seq(2, 9)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert plan(out) == [(1, 0, 6), (2, 0, 6)]
+    batch = build_forward_batch(out.chunks, 4, "cpu")
+    assert batch.input_ids.tolist() == a.token_ids + b.token_ids[:6]
+    assert batch.positions.tolist() == list(range(6)) * 2
+    assert batch.query_start.tolist() == [0, 6, 12]
+    assert batch.context_lens.tolist() == [6, 6]
+    assert batch.sample_rows.tolist() == [5]  # b's chunk does not end its prompt
+    expected_slots = [a.block_table[p // 4] * 4 + p % 4 for p in range(6)] + [
+        b.block_table[p // 4] * 4 + p % 4 for p in range(6)
+    ]
+    assert batch.slot_mapping.tolist() == expected_slots
+    assert batch.block_tables.tolist() == [a.block_table, b.block_table]
+    assert batch.block_tables.dtype == torch.int32 and batch.query_start.dtype == torch.int32
+    assert batch.input_ids.dtype == batch.slot_mapping.dtype == batch.sample_rows.dtype == torch.int64
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2)), min_size=1, max_size=10
+    ),
+    num_blocks=st.integers(10, 40),
+    max_seqs=st.integers(1, 6),
+    extra_budget=st.integers(0, 30),
+)
+def test_random_workloads_keep_every_invariant(prompts, num_blocks, max_seqs, extra_budget):
+    block_size, budget = 4, max_seqs + extra_budget
+    max_model_len = num_blocks * block_size  # the engine's rule: one sequence of max_model_len always fits
+    s = make(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs, budget=budget)
+    seqs = {}
+    for rid, (plen, max_out, prio) in enumerate(prompts):
+        seqs[rid] = (make_seq(rid, min(plen, 40), prio), max_out)
+        s.add(seqs[rid][0])
+    for _ in range(2000):
+        if not s.has_work():
+            break
+        running_before = [q for q in s.running if q.num_uncomputed_tokens == 1]
+        out = s.schedule()
+        assert out.chunks, "no progress"
+        assert out.num_tokens <= budget
+        assert len(s.running) <= max_seqs
+        scheduled = {c.seq.request_id for c in out.chunks}
+        assert len(scheduled) == len(out.chunks)
+        for q in running_before:  # every decoder that was not preempted got its token
+            assert q in out.preempted or q.request_id in scheduled
+        for c in out.chunks:
+            assert c.seq.status is SequenceStatus.RUNNING and c.start == c.seq.num_computed_tokens
+            assert len(c.seq.block_table) == -(-c.end // block_size)
+        held = [b for q in s.running for b in q.block_table]
+        assert len(held) == len(set(held)) == s.allocator.num_used
+        assert all(not q.block_table for q in s.waiting)
+        commit(out)
+        for c in out.sampling_chunks:
+            seq, max_out = seqs[c.seq.request_id]
+            if seq.num_output_tokens >= max_out or seq.num_tokens >= max_model_len:
+                s.finish(seq)
+    assert not s.has_work()
+    assert s.allocator.num_used == 0
+    for seq, max_out in seqs.values():
+        assert seq.num_output_tokens == max_out or seq.num_tokens == max_model_len
