@@ -210,4 +210,4 @@ def test_random_workloads_keep_every_invariant(prompts, num_blocks, max_seqs, ex
     assert not s.has_work()
     assert s.allocator.num_used == 0
     for seq, max_out in seqs.values():
-        assert seq.num_output_tokens == max_out or seq.num_tokens == max_model_len
+        assert seq.num_output_tokens == max_out or seq.num_tokens >= max_model_len
