@@ -72,17 +72,20 @@ def _paged_attention_kernel(
     in_range = s_idx <= num_seqs
     starts = tl.load(query_start_ptr + s_idx, mask=in_range, other=num_tokens)
     ends = tl.load(query_start_ptr + s_idx + 1, mask=s_idx < num_seqs, other=num_tokens)
+    ctxs = tl.load(context_lens_ptr + s_idx, mask=s_idx < num_seqs, other=0)
     nonempty = (ends > starts) & in_range
     ne = nonempty.to(tl.int32)
     rank = tl.cumsum(ne, axis=0) - ne
     first_block = starts // BLOCK_Q + rank
     seq = tl.max(tl.where(nonempty & (first_block <= pid), s_idx, -1), axis=0)
     seq = tl.maximum(seq, 0)  # only when T == 0 or the grid overshoots; then t0 >= seq_end below
-    seq_first_block = tl.sum(tl.where(s_idx == seq, first_block, 0), axis=0)
-    is_seq = seq < num_seqs
-    seq_start = tl.load(query_start_ptr + seq)
-    seq_end = tl.load(query_start_ptr + seq + 1, mask=is_seq, other=num_tokens)
-    ctx = tl.load(context_lens_ptr + seq, mask=is_seq, other=0)
+    # Pick this sequence's facts out of vectors already in registers: no dependent loads (a decode
+    # program is a short chain of memory round trips, so each one saved shows).
+    sel = s_idx == seq
+    seq_first_block = tl.sum(tl.where(sel, first_block, 0), axis=0)
+    seq_start = tl.sum(tl.where(sel, starts, 0), axis=0)
+    seq_end = tl.sum(tl.where(sel, ends, 0), axis=0)  # num_tokens for the padding tail
+    ctx = tl.sum(tl.where(sel, ctxs, 0), axis=0)  # 0 for the padding tail
     t0 = seq_start + (pid - seq_first_block) * BLOCK_Q
 
     rows = tl.arange(0, BLOCK_M)

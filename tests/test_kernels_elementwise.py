@@ -36,7 +36,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ref_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    norm = RMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
         norm.weight.copy_(w)
         return norm(x)
