@@ -232,3 +232,13 @@ def test_duplicate_request_id_is_refused():
 def test_bad_engine_configs_are_refused(overrides, field):
     with pytest.raises(ValueError, match=field):
         engine(**overrides)
+
+
+def test_generate_is_all_or_nothing_and_needs_an_idle_engine():
+    e = engine()
+    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+        e.generate([Request(1, [3], GREEDY), Request(2, [], GREEDY)])
+    assert not e.has_unfinished() and e.stats().kv_blocks_used == 0
+    e.add_request(Request(3, [3], GREEDY))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        e.generate([Request(4, [3], GREEDY)])

@@ -156,3 +156,10 @@ def test_top_p_on_a_large_vocab_matches_the_definition(kind):
     for r in range(4):
         expected = reference_allowed(x[r].tolist(), 0, top_p[r].item(), 0.0)
         assert set(torch.nonzero(mask[r]).flatten().tolist()) == expected
+
+
+def test_top_k_rows_mixed_with_unfiltered_rows():
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    mask = filter_mask(x, torch.tensor([0, 3, 50]), torch.ones(3), torch.zeros(3))
+    assert mask[0].all() and mask[2].all()
+    assert set(torch.nonzero(mask[1]).flatten().tolist()) == set(x[1].topk(3).indices.tolist())

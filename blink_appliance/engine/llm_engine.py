@@ -195,9 +195,20 @@ class LLMEngine:
         )
 
     def generate(self, requests: list[Request]) -> dict[int, list[int]]:
-        """Run the given requests to completion (with whatever else is queued); their output tokens by id."""
-        for req in requests:
-            self.add_request(req)
+        """Run the given requests to completion on an idle engine; their output tokens by id.
+
+        All or nothing: if one request is refused, the ones already queued are dropped again.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine (other requests' events would be lost)")
+        try:
+            for req in requests:
+                self.add_request(req)
+        except ValueError:
+            for rid in list(self._live):
+                self.abort(rid)
+            self.step()  # drains the abort events
+            raise
         pending = {r.request_id for r in requests}
         out: dict[int, list[int]] = {r.request_id: [] for r in requests}
         while pending:

@@ -75,10 +75,11 @@ def filter_mask(
     vocab = x.shape[-1]
     keep = torch.ones_like(x, dtype=torch.bool)
     if use_top_k:
-        k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
-        if int(k.min()) < vocab:
+        on = (top_k > 0) & (top_k < vocab)
+        if bool(on.any()):
+            k = torch.where(on, top_k, 1)
             largest = x.topk(int(k.max()), dim=-1).values  # sorted, descending
-            threshold = largest.gather(1, (k - 1)[:, None])
+            threshold = largest.gather(1, (k - 1)[:, None]).masked_fill_(~on[:, None], -math.inf)
             keep &= x >= threshold
     if use_top_p and bool((top_p < 1.0).any()):
         keep &= _top_p_keep(x.masked_fill(~keep, -math.inf), top_p)
