@@ -246,6 +246,7 @@ def test_smollm2_logits_match_transformers_prefill_and_decode(smollm2):
     for t in ids[n_prompt:]:
         got.append(model(seqs.batch([(0, [t])]), kv))
     diff = (torch.cat(got) - ref).abs().max().item()
-    # fp32 throughout, different summation orders: logits here are O(10-30), diffs ~1e-5.
-    assert diff < 1e-3, diff
+    # fp32 throughout; only summation order differs. Measured 5.3e-5 with |logits| up to 27 over 30
+    # layers (about 2 ulp of the largest logit); 2e-4 leaves room for other BLAS builds.
+    assert diff < 2e-4, diff
     assert torch.equal(torch.cat(got)[n_prompt - 1 :].argmax(-1), ref[n_prompt - 1 :].argmax(-1))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +85,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
+        self._compiled: tuple[str, jinja2.Template] | None = None  # (source, template), compiled on first use
 
     # -- text <-> ids ----------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class Tokenizer:
         """The conversation as the model's prompt text (encode it with add_special_tokens=False)."""
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
         try:
-            return self._template.render(
+            return self._template().render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **context
             )
         except ChatTemplateError:
@@ -129,11 +129,12 @@ class Tokenizer:
         except Exception as e:  # jinja2 errors, or the template indexing a message wrongly
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
-    @cached_property
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use a plain completion prompt")
-        return _compile_chat_template(self.chat_template)
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            self._compiled = (self.chat_template, _compile_chat_template(self.chat_template))
+        return self._compiled[1]
 
     # -- construction ----------------------------------------------------------------------------
 
