@@ -24,6 +24,8 @@ QUANT_TOL = {
     Q.Q8_0: 0.5 / 127 + 1e-3,
     Q.Q4_0: 1 / 8 + 1e-2,  # scale = -max/8: the far side of the block clamps at 7/8 of amax
     Q.Q4_1: 1 / 15 + 1e-2,
+    Q.Q5_0: 1 / 16 + 1e-2,  # as Q4_0 with twice the levels
+    Q.Q5_1: 1 / 31 + 1e-2,
     Q.Q4_K: 1 / 10,
     Q.Q6_K: 1 / 40,
 }

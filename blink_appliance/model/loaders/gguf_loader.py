@@ -30,7 +30,7 @@ _ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qw
 # Architectures whose converter permuted q/k rows for ggml's RoPE (llama.cpp's LlamaModel and subclasses).
 _PERMUTED_QK = {"llama", "mistral"}
 
-SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_TENSORS = {
