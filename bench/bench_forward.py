@@ -15,6 +15,7 @@ Kernel-level correctness at real shapes runs as pytest (tests/test_kernels_*.py)
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -380,6 +381,47 @@ def gemm_sweep(bandwidth: float, rows: int = 8) -> list[dict]:
     return results
 
 
+def attention_sweep() -> list[dict]:
+    """Attention alone (with its split merge) at llama-3.2-1b shapes for decode buckets, cold L2."""
+    from blink_appliance.kernels.paged_attention import paged_attention, split_partials
+
+    c = preset_config("llama-3.2-1b")
+    results = []
+    for T, ctx_len in ((8, 256), (8, 2048), (128, 256)):
+        max_blocks = ctx_len // BLOCK_SIZE + 2
+        num_blocks = T * max_blocks + 8
+        b = Batcher(num_blocks, max_blocks, seed=T)
+        for s in range(T):
+            b.lens[s] = ctx_len - 1
+        batch = to_device(b.batch([(s, 1) for s in range(T)], c.vocab_size), "cuda")
+        pad = MAX_SEQS - T  # the forward's capacity: unused sequence slots
+        qs = torch.cat([batch.query_start, batch.query_start[-1:].repeat(pad)])
+        ctx = torch.cat([batch.context_lens, torch.zeros(pad, dtype=torch.int32, device="cuda")])
+        tables = torch.cat(
+            [batch.block_tables, torch.full((pad, max_blocks), -1, dtype=torch.int32, device="cuda")]
+        )
+        k = torch.randn(
+            num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, device="cuda", dtype=torch.bfloat16
+        )
+        v = torch.randn_like(k)
+        q = torch.randn(T, c.q_size, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        for splits in (1, 2, 4, 8, 16):
+            partials = split_partials(splits, T, c.num_heads, c.head_dim, "cuda") if splits > 1 else None
+            for block_n in (16, 32, 64):
+                for warps in (2, 4):
+                    run = functools.partial(
+                        paged_attention, q, k, v, out, qs, ctx, tables, c.num_heads, c.num_kv_heads, c.head_dim,
+                        c.head_dim**-0.5, block_q=4, block_n=block_n, num_splits=splits, partials=partials,
+                        num_warps=warps,
+                    )  # fmt: skip
+                    ms = do_bench(run, warmup=10, rep=50, return_mode="median")
+                    results.append(
+                        dict(T=T, ctx=ctx_len, splits=splits, block_n=block_n, warps=warps, us=ms * 1e3)
+                    )
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -407,6 +449,7 @@ def main() -> None:
         print(f"check 1b bf16 vs fp32 reference: {c}", flush=True)
 
     sweep = gemm_sweep(bw) if args.gemm_sweep else []
+    attn = attention_sweep() if args.attn_sweep else []
     all_rows, all_breakdown = [], {}
     for name in args.models.split(","):
         rows, breakdown = bench_model(name, bw, rate, log)
@@ -455,6 +498,16 @@ def main() -> None:
         for g in sweep:
             print(f"{g['model']} {g['gemm']} N={g['N']} K={g['K']}: cuBLAS {g['cublas_ms'] * 1e3:.1f} us ({g['cublas_tbs']:.2f} TB/s), "
                   f"Triton {g['triton_ms'] * 1e3:.1f} us ({g['triton_tbs']:.2f} TB/s) {g['config']}, floor {g['floor_ms'] * 1e3:.1f} us, err {g['rel_err']:.1e}")  # fmt: skip
+    if attn:
+        print(
+            "\n## attention alone, llama-3.2-1b shapes, decode, cold L2 (us): best 5 per (T, ctx), and the forward's choice"
+        )
+        for T, ctx_len in sorted({(a["T"], a["ctx"]) for a in attn}):
+            runs = sorted((a for a in attn if a["T"] == T and a["ctx"] == ctx_len), key=lambda a: a["us"])
+            best = ", ".join(f"s{a['splits']}/n{a['block_n']}/w{a['warps']} {a['us']:.1f}" for a in runs[:5])
+            print(
+                f"T={T} ctx={ctx_len}: {best}; s1/n32/w4 {next(a['us'] for a in runs if a['splits'] == 1 and a['block_n'] == 32 and a['warps'] == 4):.1f}"
+            )
     for c in check:
         print(f"check bucket {c['bucket']} ({c['tokens']} tok): ours vs fp32 truth {c['rel_err']:.4f}, reference-in-bf16 vs truth "
               f"{c['ref_bf16_rel_err']:.4f}, ours vs reference-in-bf16 {c['vs_ref_bf16']:.4f}, argmax agree {c['argmax_agree']:.2f}")  # fmt: skip

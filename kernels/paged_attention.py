@@ -201,6 +201,7 @@ def paged_attention(
     block_n: int = 32,
     num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """q: [T, >= num_heads*head_dim] (row stride free, e.g. the q part of a fused QKV buffer);
     k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
@@ -272,7 +273,7 @@ def paged_attention(
         SEQS_PAD=triton.next_power_of_2(num_seqs + 1),
         DOT_PRECISION=dot_precision,
         NUM_SPLITS=num_splits,
-        num_warps=4,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _combine_splits_kernel[(tokens, num_heads)](

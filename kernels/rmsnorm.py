@@ -4,7 +4,9 @@ One program per output row. With a residual, the row first becomes `residual + x
 residual's dtype) and that sum is written back into the residual stream; with `residual_in=False` the
 stream is only started (residual = x, for the first layer). The norm is taken in fp32, cast to the
 output dtype, then scaled by the weight: the order of the reference RMSNorm. The residual may be fp32
-under bf16 activations (a more accurate stream at the cost of a few KB per token of traffic). With `rows`, output row r reads input row rows[r] (the final norm runs only on
+under bf16 activations (a more accurate stream at the cost of a few KB per token of traffic).
+With `x_parts > 1`, x is the fp32 split-K partials of the GEMM before (`[x_parts, rows, H]`) and the
+kernel sums them first: the split-K reduction costs no kernel of its own. With `rows`, output row r reads input row rows[r] (the final norm runs only on
 the rows that sample); a negative index yields a zero row.
 """
 
@@ -26,7 +28,9 @@ def _add_rmsnorm_kernel(
     x_stride,
     residual_stride,
     out_stride,
+    x_part_stride,
     eps,
+    X_PARTS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     RESIDUAL_IN: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
@@ -42,9 +46,10 @@ def _add_rmsnorm_kernel(
         src = r.to(tl.int64)
     valid = src >= 0
     src = tl.maximum(src, 0)
-    x = tl.load(x_ptr + src * x_stride + cols, mask=mask, other=0.0)
     out_dtype = out_ptr.dtype.element_ty
-    xf = x.to(tl.float32)
+    xf = tl.load(x_ptr + src * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, X_PARTS):
+        xf += tl.load(x_ptr + p * x_part_stride + src * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res_dtype = residual_ptr.dtype.element_ty
         if RESIDUAL_IN:
@@ -71,17 +76,23 @@ def add_rmsnorm(
     write_residual: bool = True,
     rows: torch.Tensor | None = None,
     residual_in: bool = True,
+    x_parts: int = 1,
 ) -> torch.Tensor:
     """out[r] = rmsnorm(x[src] (+ residual[src])) * weight, src = rows[r] if rows is given else r.
 
     x, residual: [N, H]; out: [R, H] (R = len(rows), or N). With a residual and write_residual, the
     sum is stored into residual[src] (the residual stream advances in place). residual_in=False
-    starts the stream: residual[src] = x[src], nothing read from it.
+    starts the stream: residual[src] = x[src], nothing read from it. x_parts > 1: x is
+    [x_parts, N, H] fp32 partials (contiguous) summed on load.
     """
+    if x_parts > 1 and (
+        x.dim() != 3 or x.shape[0] != x_parts or x.dtype != torch.float32 or not x.is_contiguous()
+    ):
+        raise ValueError("add_rmsnorm: x_parts > 1 needs contiguous fp32 partials [x_parts, N, H]")
     if not residual_in and (residual is None or not write_residual):
         raise ValueError("add_rmsnorm: residual_in=False needs a residual to write")
     hidden = x.shape[-1]
-    n_out = rows.shape[0] if rows is not None else x.shape[0]
+    n_out = rows.shape[0] if rows is not None else x.shape[-2]
     if out.shape[0] < n_out or out.shape[-1] != hidden:
         raise ValueError(f"add_rmsnorm: out {tuple(out.shape)} cannot hold {n_out} rows of {hidden}")
     if n_out == 0:
@@ -93,10 +104,12 @@ def add_rmsnorm(
         out,
         rows if rows is not None else x,
         hidden,
-        x.stride(0),
+        x.stride(-2),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
+        x.stride(0) if x_parts > 1 else 0,
         eps,
+        X_PARTS=x_parts,
         HAS_RESIDUAL=residual is not None,
         RESIDUAL_IN=residual_in,
         WRITE_RESIDUAL=residual is not None and write_residual,

@@ -5,6 +5,10 @@ free. What matters is how many loads are in flight, which for narrow N (the QKV 
 a small model) means cutting K into SPLIT_K slices so that enough programs run. The slices land in
 fp32 partials `[SPLIT_K, M, N]`, summed by `sum_partials` (or by a consumer kernel that reads them);
 with SPLIT_K = 1 the program writes `out` directly in its dtype.
+
+With `silu_gate=True` the input is the fused gate+up activation `[M, 2K]` and the GEMM multiplies
+silu(gate) * up, computed on the fly per K tile (rounded as `silu_and_mul` rounds it): the MLP's down
+projection then needs no separate activation kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SILU_GATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -43,11 +49,15 @@ def _skinny_gemm_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         k_in = k < k_hi
-        x = tl.load(
-            x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & k_in[None, :], other=0.0
-        )
+        x_mask = (rows[:, None] < M) & k_in[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
+        if SILU_GATE:
+            up = tl.load(x_ptr + rows[:, None] * x_stride + K + k[None, :], mask=x_mask, other=0.0)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+            x = (act * up.to(tl.float32)).to(up.dtype)
         w = tl.load(w_rows + k[None, :], mask=(cols[:, None] < N) & k_in[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         tl.store(
@@ -78,10 +88,13 @@ def skinny_gemm(
     block_k: int = 128,
     num_stages: int = 4,
     num_warps: int = 4,
+    silu_gate: bool = False,
 ) -> torch.Tensor:
-    """x: [M, K] (M <= 16), w: [N, K] row-major, out: [M, N] when split_k == 1, else fp32 partials
-    holding at least split_k * M * N elements (laid out [split_k, M, N])."""
+    """x: [M, K] (M <= 16), or [M, 2K] gate|up with silu_gate; w: [N, K] row-major; out: [M, N] when
+    split_k == 1, else fp32 partials holding at least split_k * M * N elements (laid out [split_k, M, N])."""
     M, K = x.shape
+    if silu_gate:
+        K //= 2
     N = w.shape[0]
     if M > 16:
         raise ValueError(f"skinny_gemm: at most 16 rows, got {M}")
@@ -94,7 +107,7 @@ def skinny_gemm(
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), split_k)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0) if split_k == 1 else N, k_per_split,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_stages=num_stages, num_warps=num_warps,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SILU_GATE=silu_gate, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_stages=num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 

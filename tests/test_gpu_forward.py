@@ -59,6 +59,7 @@ def test_fixed_shape_forward_matches_reference_fp32(preset):
         batch = seqs.batch(chunks)
         want = ref_model(_to(batch, DEVICE), ref_kv)
         _poison(fwd)
+        assert BUCKET > 16  # these steps take the cuBLAS O/down path
         fwd.load_batch(batch, BUCKET)
         got = fwd.step(BUCKET)
         R = batch.sample_rows.shape[0]
@@ -71,6 +72,17 @@ def test_fixed_shape_forward_matches_reference_fp32(preset):
             a = getattr(kv, name).flatten(1, 2)[:, written]
             b = getattr(ref_kv, name).flatten(1, 2)[:, written]
             assert ((a - b).norm() / b.norm()).item() < 1e-5, f"{name} cache differs"
+
+    # A decode-only step in a small bucket: the few-row path (split-K O/down GEMMs, SiLU in the
+    # down GEMM's prologue, partials summed by the norms).
+    batch = seqs.batch([(s, [40 + s]) for s in range(5)])
+    want = ref_model(_to(batch, DEVICE), ref_kv)
+    _poison(fwd)
+    fwd.load_batch(batch, 8)
+    got = fwd.step(8)
+    err = ((got[:5] - want).norm() / want.norm()).item()
+    assert err < 1e-4, f"decode bucket logits differ: relative error {err:.2e}"
+    assert (got[5:8] == 0).all()
 
 
 def _poison(fwd: GpuForward) -> None:

@@ -86,6 +86,30 @@ def test_rmsnorm_residual_stream_start_and_fp32_stream(dtype):
         add_rmsnorm(x, w, out, 1e-5, residual_in=False)
 
 
+def test_rmsnorm_sums_split_k_partials():
+    """x given as fp32 partials [P, N, H] (a split-K GEMM's output): summed, then add + norm."""
+    hidden, parts, n = HIDDEN[0], 3, 6
+    dtype = torch.bfloat16 if GPU else torch.float32
+    partials = torch.randn(parts, n, hidden, device=DEVICE)
+    res = torch.randn(n, hidden, device=DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    summed = res + partials.sum(0)
+    out = torch.full((n, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    add_rmsnorm(partials, w, out, 1e-5, residual=res, x_parts=parts)
+    assert rel(res, summed) < 1e-6
+    want = w.float() * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()
+    assert rel(out, want) < tol(dtype)
+    # the final-norm form: gathered rows, stream not written back
+    rows = torch.tensor([5, -1, 0], device=DEVICE)
+    out3 = torch.full((3, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    before = res.clone()
+    add_rmsnorm(partials, w, out3, 1e-5, residual=res, write_residual=False, rows=rows, x_parts=parts)
+    assert torch.equal(res, before) and (out3[1] == 0).all()
+    s2 = before[[5, 0]] + partials[:, [5, 0]].sum(0)
+    want2 = w.float() * (s2 * torch.rsqrt(s2.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()
+    assert rel(out3[[0, 2]], want2) < tol(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_plain_and_gathered_rows(dtype):
     hidden = HIDDEN[0]

@@ -43,3 +43,23 @@ def test_skinny_gemm(shape, split_k):
 def test_skinny_gemm_refuses_many_rows():
     with pytest.raises(ValueError, match="at most 16 rows"):
         skinny_gemm(torch.zeros(17, 8), torch.zeros(8, 8), torch.zeros(17, 8))
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_skinny_gemm_with_silu_gate_prologue(split_k):
+    M, N, K = (8, 2048, 8192) if GPU else (5, 24, 96)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    gate_up = torch.randn(M, 2 * K, device=DEVICE).to(dtype)
+    w = (0.05 * torch.randn(N, K, device=DEVICE)).to(dtype)
+    act = torch.nn.functional.silu(gate_up[:, :K]) * gate_up[:, K:]
+    want = act.double() @ w.double().t()
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    bk = 128 if GPU else 32
+    if split_k == 1:
+        skinny_gemm(gate_up, w, out, block_n=32, block_k=bk, silu_gate=True)
+    else:
+        part = torch.full((split_k * M * N,), float("nan"), device=DEVICE)
+        skinny_gemm(gate_up, w, part, split_k=split_k, block_n=32, block_k=bk, silu_gate=True)
+        sum_partials(part, out, split_k)
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err

@@ -7,7 +7,8 @@ replayed by the device-resident loop, which writes the inputs and reads `logits`
 
 Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
 paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
-GEMM. The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
+GEMM (decode buckets of <= 16 tokens: O and down through the split-K Triton GEMM, SiLU*up fused into
+the down GEMM, partials summed by the next add+RMSNorm). The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
 
 It computes the same function as the reference model in llama.py (the tests compare the two).
@@ -23,6 +24,7 @@ from blink_appliance.kernels.activation import silu_and_mul
 from blink_appliance.kernels.paged_attention import paged_attention, split_partials
 from blink_appliance.kernels.rmsnorm import add_rmsnorm
 from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables
+from blink_appliance.kernels.skinny_gemm import skinny_gemm
 from blink_appliance.model.config import ModelConfig
 from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache
 from blink_appliance.model.llama import rope_inv_freq
@@ -38,6 +40,13 @@ def attention_splits(num_tokens: int) -> int:
     if num_tokens <= 128:
         return 2
     return 1
+
+
+# Decode buckets up to this many tokens run the O and down projections through the few-row split-K
+# Triton GEMM: its fp32 partials are summed by the next add+RMSNorm and SiLU*up is computed in the down
+# GEMM's prologue, which removes the activation kernel and cuBLAS's split-K reduce from each layer.
+SKINNY_MAX_TOKENS = 16
+SKINNY_SPLIT_K = 4
 
 
 def attention_block_q(num_tokens: int) -> int:
@@ -220,6 +229,7 @@ class GpuForward:
         max_blocks_per_seq: int,
         max_context_len: int | None = None,
         residual_fp32: bool = True,
+        skinny_decode_gemms: bool = True,
     ) -> None:
         c = config
         self.config = c
@@ -257,6 +267,12 @@ class GpuForward:
         self._gate_up = buf(T, 2 * c.intermediate_size)
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
+        self.skinny_decode_gemms = skinny_decode_gemms
+        rows = min(SKINNY_MAX_TOKENS, T)
+        self._o_parts = buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
+        self._down_parts = (
+            buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
+        )
         split_rows = max(
             (attention_splits(t) * t for t in range(1, T + 1) if attention_splits(t) > 1), default=0
         )
@@ -286,12 +302,21 @@ class GpuForward:
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
         block_q, splits = attention_block_q(T), attention_splits(T)
 
+        H = c.hidden_size
+        skinny = self.skinny_decode_gemms and T <= SKINNY_MAX_TOKENS
+        parts = SKINNY_SPLIT_K if skinny else 1
+        if skinny:
+            o_out = self._o_parts[: parts * T * H].view(parts, T, H)
+            mlp_out = self._down_parts[: parts * T * H].view(parts, T, H)
+        else:
+            o_out = mlp_out = proj
+
         torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
             if i == 0:
                 add_rmsnorm(proj, layer.input_norm, x, eps, residual=h, residual_in=False)
             else:
-                add_rmsnorm(proj, layer.input_norm, x, eps, residual=h)
+                add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=parts)
             if layer.qkv_bias is not None:
                 torch.addmm(layer.qkv_bias, x, layer.qkv.t(), out=qkv)
             else:
@@ -306,14 +331,29 @@ class GpuForward:
                 inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=block_q,
                 num_splits=splits, partials=self._attn_partials,
             )  # fmt: skip
-            torch.mm(attn, layer.o_proj.t(), out=proj)
-            add_rmsnorm(proj, layer.post_norm, x, eps, residual=h)
+            if skinny:
+                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, block_n=32)
+            else:
+                torch.mm(attn, layer.o_proj.t(), out=o_out)
+            add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=parts)
             torch.mm(x, layer.gate_up.t(), out=gate_up)
-            silu_and_mul(gate_up, act)
-            torch.mm(act, layer.down.t(), out=proj)
+            if skinny:
+                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, block_n=32, silu_gate=True)
+            else:
+                silu_and_mul(gate_up, act)
+                torch.mm(act, layer.down.t(), out=mlp_out)
 
         final = self._final[:R]
-        add_rmsnorm(proj, w.norm, final, eps, residual=h, write_residual=False, rows=inp.sample_rows[:R])
+        add_rmsnorm(
+            mlp_out,
+            w.norm,
+            final,
+            eps,
+            residual=h,
+            write_residual=False,
+            rows=inp.sample_rows[:R],
+            x_parts=parts,
+        )
         if self._logits_lp is None:
             torch.mm(final, w.lm_head.t(), out=self.logits[:R])
         else:
