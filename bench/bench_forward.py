@@ -428,6 +428,9 @@ def main() -> None:
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument(
+        "--attn-sweep", action="store_true", help="also time attention configs for decode buckets"
+    )
+    ap.add_argument(
         "--gemm-sweep", action="store_true", help="also compare decode GEMMs: cuBLAS vs Triton split-K"
     )
     args = ap.parse_args()

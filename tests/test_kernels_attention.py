@@ -96,10 +96,10 @@ GPU_CASES = [
 
 @pytest.mark.parametrize("case", GPU_CASES if GPU else CPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if GPU else [torch.float32])
-@pytest.mark.parametrize("num_splits", [1, 3, 4])
-def test_paged_attention_matches_reference(case, dtype, num_splits):
+@pytest.mark.parametrize(("num_splits", "block_n"), [(1, 32), (1, 64), (3, 32), (4, 16)])
+def test_paged_attention_matches_reference(case, dtype, num_splits, block_n):
     runs, max_seqs, T, bs, H, HKV, D = case
-    gen = torch.Generator().manual_seed(hash((str(case), str(dtype), num_splits)) % 2**31)
+    gen = torch.Generator().manual_seed(hash((str(case), str(dtype), num_splits, block_n)) % 2**31)
     query_start, ctx, tables, k, v = make_paged_case(runs, max_seqs, T, bs, HKV, D, dtype, gen)
     # q as the leading part of a wider fused-QKV row, to exercise the row stride.
     qkv = torch.randn(T, (H + 2 * HKV) * D, generator=gen).to(dtype)
@@ -118,7 +118,7 @@ def test_paged_attention_matches_reference(case, dtype, num_splits):
         )
     paged_attention(
         qkv_d[:, : H * D], dev(k), dev(v), out, dev(query_start), dev(ctx), dev(tables), H, HKV, D, scale,
-        num_splits=num_splits, partials=partials,
+        block_n=block_n, num_splits=num_splits, partials=partials,
     )  # fmt: skip
     got = out.cpu().double()
     assert torch.isfinite(got).all(), "unwritten (NaN) output rows"

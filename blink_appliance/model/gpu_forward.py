@@ -7,8 +7,8 @@ replayed by the device-resident loop, which writes the inputs and reads `logits`
 
 Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
 paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
-GEMM (decode buckets of <= 16 tokens: O and down through the split-K Triton GEMM, SiLU*up fused into
-the down GEMM, partials summed by the next add+RMSNorm). The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
+GEMM (optionally, for decode buckets of <= 16 tokens: O and down through the split-K Triton GEMM, see
+SKINNY_MAX_TOKENS). The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
 
 It computes the same function as the reference model in llama.py (the tests compare the two).
@@ -32,19 +32,25 @@ from blink_appliance.model.llama import rope_inv_freq
 
 def attention_splits(num_tokens: int) -> int:
     """Split-KV factor per bucket: small buckets are decode steps with few programs per layer, so each
-    key range is cut into more pieces to put more loads in flight; big buckets have parallelism enough."""
+    key range is cut into more pieces to put more loads in flight; from 128 tokens on there are programs
+    enough and the merge kernel would cost more than it saves (H100 sweep, docs/gpu_forward.md)."""
     if num_tokens <= 8:
         return 8
     if num_tokens <= 32:
         return 4
-    if num_tokens <= 128:
-        return 2
     return 1
 
 
-# Decode buckets up to this many tokens run the O and down projections through the few-row split-K
-# Triton GEMM: its fp32 partials are summed by the next add+RMSNorm and SiLU*up is computed in the down
-# GEMM's prologue, which removes the activation kernel and cuBLAS's split-K reduce from each layer.
+def attention_block_n(num_tokens: int) -> int:
+    """Keys per attention tile: 32 for the split decode buckets, 64 once each program walks a long range."""
+    return 32 if attention_splits(num_tokens) > 1 else 64
+
+
+# With skinny_decode_gemms, decode buckets up to this many tokens run the O and down projections through
+# the few-row split-K Triton GEMM: its fp32 partials are summed by the next add+RMSNorm and SiLU*up is
+# computed in the down GEMM's prologue (no activation kernel, no cuBLAS split-K reduce). Off by default:
+# on the H100 it made the llama-3.2-1b T=8 step slower (1.86 ms vs 1.39 ms with cuBLAS), see
+# docs/gpu_forward.md. Kept, tested, for the device loop's experiments.
 SKINNY_MAX_TOKENS = 16
 SKINNY_SPLIT_K = 4
 
@@ -229,7 +235,7 @@ class GpuForward:
         max_blocks_per_seq: int,
         max_context_len: int | None = None,
         residual_fp32: bool = True,
-        skinny_decode_gemms: bool = True,
+        skinny_decode_gemms: bool = False,
     ) -> None:
         c = config
         self.config = c
@@ -300,7 +306,7 @@ class GpuForward:
         h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
         proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
-        block_q, splits = attention_block_q(T), attention_splits(T)
+        block_q, splits, block_n = attention_block_q(T), attention_splits(T), attention_block_n(T)
 
         H = c.hidden_size
         skinny = self.skinny_decode_gemms and T <= SKINNY_MAX_TOKENS
@@ -329,7 +335,7 @@ class GpuForward:
             paged_attention(
                 qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
                 inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=block_q,
-                num_splits=splits, partials=self._attn_partials,
+                block_n=block_n, num_splits=splits, partials=self._attn_partials,
             )  # fmt: skip
             if skinny:
                 skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, block_n=32)
