@@ -382,19 +382,24 @@ def gemm_sweep(bandwidth: float, rows: int = 8) -> list[dict]:
 
 
 def attention_sweep() -> list[dict]:
-    """Attention alone (with its split merge) at llama-3.2-1b shapes for decode buckets, cold L2."""
+    """Attention alone (with its split merge) at llama-3.2-1b shapes, cold L2: decode buckets and the
+    mixed 2048 bucket, over splits, key-tile size, warps and pipeline stages."""
     from blink_appliance.kernels.paged_attention import paged_attention, split_partials
 
     c = preset_config("llama-3.2-1b")
     results = []
-    for T, ctx_len in ((8, 256), (8, 2048), (128, 256)):
-        max_blocks = ctx_len // BLOCK_SIZE + 2
-        num_blocks = T * max_blocks + 8
+    # (T, decoding sequences, their context, prefill chunk, block_q, split choices)
+    cases = ((8, 8, 256, 0, 4, (4, 8)), (128, 128, 256, 0, 4, (1, 2)), (2048, 64, 256, 1984, 16, (1,)))
+    for T, decodes, ctx_len, prefill, block_q, split_choices in cases:
+        max_blocks = (ctx_len + prefill) // BLOCK_SIZE + 2
+        num_blocks = (decodes + 1) * max_blocks + 8
         b = Batcher(num_blocks, max_blocks, seed=T)
-        for s in range(T):
+        for s in range(decodes):
             b.lens[s] = ctx_len - 1
-        batch = to_device(b.batch([(s, 1) for s in range(T)], c.vocab_size), "cuda")
-        pad = MAX_SEQS - T  # the forward's capacity: unused sequence slots
+        runs = [(s, 1) for s in range(decodes)] + ([(10_000, prefill)] if prefill else [])
+        batch = to_device(b.batch(runs, c.vocab_size), "cuda")
+        S = len(runs)
+        pad = MAX_SEQS - S  # the forward's capacity: unused sequence slots
         qs = torch.cat([batch.query_start, batch.query_start[-1:].repeat(pad)])
         ctx = torch.cat([batch.context_lens, torch.zeros(pad, dtype=torch.int32, device="cuda")])
         tables = torch.cat(
@@ -406,19 +411,25 @@ def attention_sweep() -> list[dict]:
         v = torch.randn_like(k)
         q = torch.randn(T, c.q_size, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
-        for splits in (1, 2, 4, 8, 16):
+        for splits in split_choices:
             partials = split_partials(splits, T, c.num_heads, c.head_dim, "cuda") if splits > 1 else None
-            for block_n in (16, 32, 64):
-                for warps in (2, 4):
-                    run = functools.partial(
-                        paged_attention, q, k, v, out, qs, ctx, tables, c.num_heads, c.num_kv_heads, c.head_dim,
-                        c.head_dim**-0.5, block_q=4, block_n=block_n, num_splits=splits, partials=partials,
-                        num_warps=warps,
-                    )  # fmt: skip
-                    ms = do_bench(run, warmup=10, rep=50, return_mode="median")
-                    results.append(
-                        dict(T=T, ctx=ctx_len, splits=splits, block_n=block_n, warps=warps, us=ms * 1e3)
-                    )
+            for block_n in (32, 64) if T < 2048 else (32, 64, 128):
+                for warps in (2, 4) if T <= 8 else (4, 8):
+                    for stages in (1, 2, 3):
+                        run = functools.partial(
+                            paged_attention, q, k, v, out, qs, ctx, tables, c.num_heads, c.num_kv_heads,
+                            c.head_dim, c.head_dim**-0.5, block_q=block_q, block_n=block_n, num_splits=splits,
+                            partials=partials, num_warps=warps, num_stages=stages,
+                        )  # fmt: skip
+                        try:
+                            ms = do_bench(run, warmup=10, rep=50, return_mode="median")
+                        except Exception as e:  # a config the compiler refuses (resources) is skipped
+                            print(
+                                f"skip attention T={T} s{splits}/n{block_n}/w{warps}/p{stages}: {type(e).__name__}"
+                            )
+                            continue
+                        results.append(dict(T=T, ctx=ctx_len, splits=splits, block_n=block_n, warps=warps,
+                                            stages=stages, us=ms * 1e3))  # fmt: skip
     return results
 
 
@@ -502,15 +513,13 @@ def main() -> None:
             print(f"{g['model']} {g['gemm']} N={g['N']} K={g['K']}: cuBLAS {g['cublas_ms'] * 1e3:.1f} us ({g['cublas_tbs']:.2f} TB/s), "
                   f"Triton {g['triton_ms'] * 1e3:.1f} us ({g['triton_tbs']:.2f} TB/s) {g['config']}, floor {g['floor_ms'] * 1e3:.1f} us, err {g['rel_err']:.1e}")  # fmt: skip
     if attn:
-        print(
-            "\n## attention alone, llama-3.2-1b shapes, decode, cold L2 (us): best 5 per (T, ctx), and the forward's choice"
-        )
-        for T, ctx_len in sorted({(a["T"], a["ctx"]) for a in attn}):
-            runs = sorted((a for a in attn if a["T"] == T and a["ctx"] == ctx_len), key=lambda a: a["us"])
-            best = ", ".join(f"s{a['splits']}/n{a['block_n']}/w{a['warps']} {a['us']:.1f}" for a in runs[:5])
-            print(
-                f"T={T} ctx={ctx_len}: {best}; s1/n32/w4 {next(a['us'] for a in runs if a['splits'] == 1 and a['block_n'] == 32 and a['warps'] == 4):.1f}"
+        print("\n## attention alone, llama-3.2-1b shapes, cold L2 (us): best 6 per T")
+        for T in sorted({a["T"] for a in attn}):
+            runs = sorted((a for a in attn if a["T"] == T), key=lambda a: a["us"])
+            best = ", ".join(
+                f"s{a['splits']}/n{a['block_n']}/w{a['warps']}/p{a['stages']} {a['us']:.1f}" for a in runs[:6]
             )
+            print(f"T={T}: {best}")
     for c in check:
         print(f"check bucket {c['bucket']} ({c['tokens']} tok): ours vs fp32 truth {c['rel_err']:.4f}, reference-in-bf16 vs truth "
               f"{c['ref_bf16_rel_err']:.4f}, ours vs reference-in-bf16 {c['vs_ref_bf16']:.4f}, argmax agree {c['argmax_agree']:.2f}")  # fmt: skip

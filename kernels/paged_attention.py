@@ -114,11 +114,15 @@ def _paged_attention_kernel(
     split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+    # Block ids are fetched one tile ahead, so a tile's K/V loads do not wait on a block-table load.
+    next_pos = kv_lo + tl.arange(0, BLOCK_N)
+    blk = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < kv_hi, other=0)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_in = k_pos < kv_hi
-        blk = tl.load(table + k_pos // BLOCK_SIZE, mask=k_in, other=0)
         slot = blk.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        next_pos = k_pos + BLOCK_N
+        blk = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < kv_hi, other=0)
         kv_off = slot[:, None] * slot_stride + kv_head * HEAD_DIM + d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=k_in[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=k_in[:, None], other=0.0)
@@ -202,6 +206,7 @@ def paged_attention(
     num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [T, >= num_heads*head_dim] (row stride free, e.g. the q part of a fused QKV buffer);
     k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
@@ -274,6 +279,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision,
         NUM_SPLITS=num_splits,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(tokens, num_heads)](
