@@ -30,20 +30,29 @@ from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache
 from blink_appliance.model.llama import rope_inv_freq
 
 
-def attention_splits(num_tokens: int) -> int:
-    """Split-KV factor per bucket: small buckets are decode steps with few programs per layer, so each
-    key range is cut into more pieces to put more loads in flight; from 128 tokens on there are programs
-    enough and the merge kernel would cost more than it saves (H100 sweep, docs/gpu_forward.md)."""
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch shape of the paged-attention kernel for one bucket."""
+
+    block_q: int  # query tokens per program (times the GQA group = tile rows)
+    block_n: int  # keys per tile
+    splits: int  # split-KV factor (1 = no merge kernel)
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(num_tokens: int) -> AttentionConfig:
+    """Per bucket, from the H100 sweep (bench_forward.py --attn-sweep, docs/gpu_forward.md): decode
+    buckets have few programs per layer, so key ranges are split to put more loads in flight and small
+    programs (2 warps) start faster; from 128 tokens on there are programs enough and the merge kernel
+    would cost more than it saves; prefill-heavy buckets take 16-token query tiles and 64-key tiles."""
     if num_tokens <= 8:
-        return 8
+        return AttentionConfig(block_q=4, block_n=32, splits=8, num_warps=2, num_stages=2)
     if num_tokens <= 32:
-        return 4
-    return 1
-
-
-def attention_block_n(num_tokens: int) -> int:
-    """Keys per attention tile: 32 for the split decode buckets, 64 once each program walks a long range."""
-    return 32 if attention_splits(num_tokens) > 1 else 64
+        return AttentionConfig(block_q=4, block_n=32, splits=4, num_warps=2, num_stages=2)
+    if num_tokens <= 128:
+        return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=4, num_stages=2)
+    return AttentionConfig(block_q=16, block_n=64, splits=1, num_warps=4, num_stages=3)
 
 
 # With skinny_decode_gemms, decode buckets up to this many tokens run the O and down projections through
@@ -53,11 +62,6 @@ def attention_block_n(num_tokens: int) -> int:
 # docs/gpu_forward.md. Kept, tested, for the device loop's experiments.
 SKINNY_MAX_TOKENS = 16
 SKINNY_SPLIT_K = 4
-
-
-def attention_block_q(num_tokens: int) -> int:
-    """Query tokens per attention program: small tiles for decode-heavy buckets, 16 for prefill."""
-    return 4 if num_tokens <= 128 else 16
 
 
 @dataclass
@@ -280,7 +284,8 @@ class GpuForward:
             buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
         )
         split_rows = max(
-            (attention_splits(t) * t for t in range(1, T + 1) if attention_splits(t) > 1), default=0
+            (attention_config(t).splits * t for t in range(1, T + 1) if attention_config(t).splits > 1),
+            default=0,
         )
         self._attn_partials = (
             split_partials(split_rows, 1, c.num_heads, c.head_dim, self.device) if split_rows else None
@@ -306,7 +311,7 @@ class GpuForward:
         h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
         proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
-        block_q, splits, block_n = attention_block_q(T), attention_splits(T), attention_block_n(T)
+        ac = attention_config(T)
 
         H = c.hidden_size
         skinny = self.skinny_decode_gemms and T <= SKINNY_MAX_TOKENS
@@ -334,8 +339,9 @@ class GpuForward:
             )  # fmt: skip
             paged_attention(
                 qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
-                inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=block_q,
-                block_n=block_n, num_splits=splits, partials=self._attn_partials,
+                inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=ac.block_q,
+                block_n=ac.block_n, num_splits=ac.splits, partials=self._attn_partials,
+                num_warps=ac.num_warps, num_stages=ac.num_stages,
             )  # fmt: skip
             if skinny:
                 skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, block_n=32)
