@@ -268,7 +268,8 @@ class GpuForward:
 
         T, H = max_tokens, c.hidden_size
         # The residual stream in fp32 under bf16 weights: the one place where keeping precision is
-        # nearly free (a few KB per token), and it halves the drift from an fp32 reference.
+        # nearly free (a few KB per token). It puts the bf16 step nearer an fp32 reference than the
+        # reference model's own bf16 run (1B: 2.4% vs 2.8%; smollm2, emulated on the CPU: 0.8% vs 1.4%).
         self._residual = buf(T, H, dtype=torch.float32 if residual_fp32 else self.dtype)
         self._normed = buf(T, H)
         self._qkv = buf(T, c.q_size + 2 * c.kv_size)
