@@ -67,11 +67,15 @@ class LoopGeometry:
 
     def validate(self) -> None:
         if list(self.buckets) != sorted(set(self.buckets)) or not self.buckets or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be distinct positive sizes in ascending order, got {self.buckets}")
+            raise ValueError(
+                f"buckets must be distinct positive sizes in ascending order, got {self.buckets}"
+            )
         if self.max_num_batched_tokens != self.buckets[-1]:
             raise ValueError("max_num_batched_tokens must equal the largest bucket")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one token per decoding sequence)")
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_num_seqs (one token per decoding sequence)"
+            )
         if self.num_slots < self.max_num_seqs:
             raise ValueError("num_slots must be >= max_num_seqs")
         if self.num_kv_blocks < self.max_blocks_per_seq:
@@ -135,7 +139,7 @@ class DeviceState:
 
     # -- loop control and counters ----------------------------------------------------------------
     num_active: torch.Tensor  # [1]: slots not FREE (the wait kernel spins only when 0 and the ring is empty)
-    shutdown_seen: torch.Tensor  # [1]: schedule saw the ring's shutdown word (and marked every slot FINISHING)
+    shutdown_seen: torch.Tensor  # [1]: schedule saw the ring's shutdown word, marked all slots FINISHING
     keep_running: torch.Tensor  # [1]: WHILE condition; commit writes 0 once shutdown_seen
     next_arrival: torch.Tensor  # [1] int64
     next_run_order: torch.Tensor  # [1] int64
