@@ -61,6 +61,11 @@ def serve(profile: Profile, stop: threading.Event) -> None:
     from blink_appliance.transport.shm_transport import ShmTransport
 
     m = profile.model
+    if profile.uses_loop:
+        raise ProfileError(
+            f"engine.mode: {profile.engine_mode!r}: the GPU loop's engine server is not built yet "
+            "(use device 'cpu' with the reference engine)"
+        )
     pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus")
     t0 = _stage(f"loading {m.model_source}")
     ckpt = load_checkpoint(m.model_source, seed=m.seed)

@@ -28,6 +28,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 from blink_appliance.model.config import ModelConfig
 
 if TYPE_CHECKING:
+    from blink_appliance.engine.device_state import LoopGeometry
     from blink_appliance.transport.ring_layout import RingGeometry
 
 GIB = 1 << 30
@@ -80,10 +81,8 @@ class ModelSection(_Section):
     @field_validator("device")
     @classmethod
     def _device_ok(cls, v: str) -> str:
-        if v == "cpu":
+        if v == "cpu" or re.fullmatch(r"cuda:\d+", v):
             return v
-        if re.fullmatch(r"cuda:\d+", v):
-            raise ValueError(f"{v!r}: {NOT_BUILT} (the GPU-resident loop has not landed; use 'cpu')")
         raise ValueError(f"{v!r}: expected 'cpu' or 'cuda:N'")
 
     @field_validator("sm_count")
@@ -122,6 +121,11 @@ class ModelSection(_Section):
             value = getattr(self, key)
             if value is not None and value >= self.max_model_len:
                 raise ValueError(f"{key} ({value}) must be < max_model_len ({self.max_model_len})")
+        if self.max_num_batched_tokens < self.max_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_seqs "
+                f"({self.max_seqs}): every running sequence needs one token of the step budget"
+            )
         return self
 
     @property
@@ -162,6 +166,32 @@ class FrontendSection(_Section):
         return v
 
 
+EngineMode = Literal["reference", "loop", "host"]
+# Forward sizes captured by default (engine/cuda_graphs.py DEFAULT_BUCKETS), cut at the step budget.
+_DEFAULT_BUCKETS = (8, 32, 128, 512, 2048)
+
+
+class EngineSection(_Section):
+    """Which engine serves the model, and the GPU loop's capacities.
+
+    Modes: "reference" is the CPU reference engine (device "cpu"); "loop" launches the device-
+    resident loop once and the host only watches (CUDA only); "host" runs the same loop kernels
+    one step per host call, synchronizing each time (the baseline; on "cpu" under the Triton
+    interpreter, TRITON_INTERPRET=1, which is how CI runs the loop's code).
+    """
+
+    mode: EngineMode | None = None  # default: "reference" on cpu, "loop" on cuda:N
+    num_slots: int | None = Field(default=None, ge=1, le=65536)  # requests the loop holds at once
+    buckets: list[int] | None = None  # captured forward sizes, ascending, ending at the step budget
+
+    @field_validator("buckets")
+    @classmethod
+    def _buckets_ok(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or v[0] < 1 or v != sorted(set(v))):
+            raise ValueError(f"must be distinct positive token counts in ascending order, got {v}")
+        return v
+
+
 class TelemetrySection(_Section):
     enabled: bool = True  # serves /telemetry and /telemetry/stream for `blink-appliance top`
     interval_s: float = Field(default=0.5, gt=0, le=60)
@@ -171,6 +201,7 @@ class Profile(_Section):
     appliance: ApplianceSection = Field(default_factory=ApplianceSection)
     models: list[ModelSection]
     frontend: FrontendSection = Field(default_factory=FrontendSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     dpu: dict[str, Any] | None = None
 
@@ -195,6 +226,61 @@ class Profile(_Section):
     @property
     def model(self) -> ModelSection:
         return self.models[0]
+
+    @property
+    def engine_mode(self) -> EngineMode:
+        if self.engine.mode is not None:
+            return self.engine.mode
+        return "reference" if self.model.device == "cpu" else "loop"
+
+    @property
+    def uses_loop(self) -> bool:
+        """Served by the GPU loop's code (mode "loop" or "host"), not the CPU reference engine."""
+        return self.engine_mode != "reference"
+
+    @property
+    def num_slots(self) -> int:
+        """Loop slots: every request the front end may have in flight, and at least one step's batch."""
+        if self.engine.num_slots is not None:
+            return self.engine.num_slots
+        return max(self.model.max_seqs, self.frontend.max_inflight)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        if self.engine.buckets is not None:
+            return tuple(self.engine.buckets)
+        budget = self.model.max_num_batched_tokens
+        return tuple(b for b in _DEFAULT_BUCKETS if b < budget) + (budget,)
+
+    def engine_errors(self) -> list[str]:
+        """Checks across sections ("key.path: why" each): the engine against the model's device."""
+        m, e, mode = self.model, self.engine, self.engine_mode
+        if mode == "loop" and m.device == "cpu":
+            return [
+                "engine.mode: 'loop' needs a CUDA device (models[0].device is 'cpu'): the graph-resident "
+                "loop cannot run on the CPU; use 'reference', or 'host' with TRITON_INTERPRET=1"
+            ]
+        if mode == "reference" and m.device != "cpu":
+            return [
+                f"engine.mode: 'reference' (the CPU reference engine) runs on device 'cpu' only, "
+                f"not {m.device!r}; use 'loop' or 'host'"
+            ]
+        errors = []
+        if mode == "reference":
+            for key in ("num_slots", "buckets"):
+                if getattr(e, key) is not None:
+                    errors.append(f"engine.{key}: only the GPU loop uses it (engine.mode 'loop' or 'host')")
+            return errors
+        if e.buckets is not None and e.buckets[-1] != m.max_num_batched_tokens:
+            errors.append(
+                f"engine.buckets: must end at models[0].max_num_batched_tokens "
+                f"({m.max_num_batched_tokens}), got {e.buckets}"
+            )
+        if self.num_slots < m.max_seqs:
+            errors.append(
+                f"engine.num_slots: ({self.num_slots}) must be >= models[0].max_seqs ({m.max_seqs})"
+            )
+        return errors
 
     def with_overrides(self, *, host: str | None = None, port: int | None = None) -> Profile:
         """A copy with the front end's address replaced (validated like the file)."""
@@ -224,10 +310,14 @@ def _message(err: dict[str, Any]) -> str:
 
 def parse_profile(data: dict[str, Any], *, origin: str = "profile") -> Profile:
     try:
-        return Profile.model_validate(data)
+        profile = Profile.model_validate(data)
     except ValidationError as e:
         lines = [f"  {_key_path(tuple(err['loc']))}: {_message(err)}" for err in e.errors()]
         raise ProfileError(f"{origin} is invalid:\n" + "\n".join(lines)) from None
+    errors = profile.engine_errors()
+    if errors:
+        raise ProfileError(f"{origin} is invalid:\n" + "\n".join(f"  {line}" for line in errors))
+    return profile
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -308,8 +398,10 @@ def resolve_plan(
 ) -> ModelPlan:
     """Size the KV cache and check the limits against the architecture.
 
-    `kv_fraction` is a fraction of the memory left after the weights (host RAM available now,
-    from psutil, for device "cpu"); `available_bytes` overrides that reading (tests).
+    `kv_fraction` is a fraction of the memory left after the weights: host RAM available now
+    (psutil) for device "cpu", the GPU's free memory now for "cuda:N" (so the plan of a CUDA profile
+    with kv_fraction needs that GPU; kv_budget_gib does not); `available_bytes` overrides that
+    reading (tests).
     """
     import torch
 
@@ -330,9 +422,9 @@ def resolve_plan(
         budget_key = f"{key}.kv_budget_gib"
     else:
         assert model.kv_fraction is not None
-        avail = psutil.virtual_memory().available if available_bytes is None else available_bytes
-        budget = int(model.kv_fraction * max(0, avail - w_bytes))
         budget_key = f"{key}.kv_fraction"
+        avail = _free_bytes(model.device, budget_key) if available_bytes is None else available_bytes
+        budget = int(model.kv_fraction * max(0, avail - w_bytes))
     # Never more blocks than max_seqs sequences of max_model_len can use.
     blocks_per_seq = -(-model.max_model_len // model.block_size)
     num_blocks = min(budget // per_block, model.max_seqs * blocks_per_seq)
@@ -359,6 +451,53 @@ def resolve_plan(
         max_prompt_tokens=model.prompt_limit,
         max_output_tokens=model.output_limit,
     )
+
+
+def _free_bytes(device: str, key: str) -> int:
+    """Memory free for weights + KV on `device` now."""
+    if device == "cpu":
+        return psutil.virtual_memory().available
+    import torch
+
+    index = int(device.split(":")[1])
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ProfileError(
+            f"{key}: sizing the KV cache from free memory needs {device}, and this machine has "
+            f"{found} CUDA device(s); set kv_budget_gib instead to plan without it"
+        )
+    return torch.cuda.mem_get_info(index)[0]
+
+
+def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig) -> LoopGeometry:
+    """The GPU loop's fixed capacities (engine/device_state.py) from the profile and its plan."""
+    from blink_appliance.engine.device_state import MAX_EOS_IDS, LoopGeometry
+
+    if not profile.uses_loop:
+        raise ProfileError(f"engine.mode: {profile.engine_mode!r} does not run the GPU loop")
+    eos = tuple(config.eos_token_ids)
+    if len(eos) > MAX_EOS_IDS:
+        raise ProfileError(
+            f"models[0].source: the model has {len(eos)} end-of-sequence ids; the GPU loop checks at most "
+            f"{MAX_EOS_IDS}"
+        )
+    geometry = LoopGeometry(
+        num_slots=profile.num_slots,
+        max_num_seqs=plan.max_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        buckets=profile.buckets,
+        block_size=plan.block_size,
+        num_kv_blocks=plan.num_kv_blocks,
+        max_model_len=plan.max_model_len,
+        max_stop_ids=ring_geometry(profile).max_stop_ids,
+        vocab_size=config.vocab_size,
+        eos_token_ids=eos,
+    )
+    try:
+        geometry.validate()  # parse_profile and resolve_plan checked each rule already, naming keys
+    except ValueError as e:
+        raise ProfileError(f"engine: {e}") from None
+    return geometry
 
 
 def ring_geometry(profile: Profile) -> RingGeometry:

@@ -41,10 +41,21 @@ def test_check_prints_the_resolved_plan(tmp_path, capsys):
     assert "http://127.0.0.1:8000 over shm" in out
 
 
-def test_check_refuses_what_is_not_built(capsys):
-    assert main(["check", str(REPO / "profiles" / "gpu-h100.example.toml")]) == 2
+def test_check_refuses_what_is_not_built(tmp_path, capsys):
+    path = _profile(
+        tmp_path,
+        """
+        [[models]]
+        name = "tiny"
+        source = "dummy:tiny"
+        device = "cuda:0"
+        kv_budget_gib = 0.001
+        sm_count = 66
+        """,
+    )
+    assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "models[0].device: 'cuda:0': not built yet" in err
+    assert "models[0].sm_count: not built yet" in err
 
 
 def test_check_reports_plan_errors_with_the_key(tmp_path, capsys):

@@ -46,12 +46,10 @@ def test_default_profile_loads_and_is_loopback_cpu_fp32():
     assert p.frontend.transport == "shm"
 
 
-def test_gpu_example_profile_is_refused_as_not_built(tmp_path):
-    with pytest.raises(ProfileError) as e:
-        load_profile(REPO / "profiles" / "gpu-h100.example.toml")
-    msg = str(e.value)
-    assert "models[0].device: 'cuda:0': not built yet" in msg
-    assert "models[0].sm_count: not built yet" in msg
+def test_gpu_example_profile_is_the_loop_on_cuda():
+    p = load_profile(REPO / "profiles" / "gpu-h100.example.toml")
+    assert (p.model.device, p.model.dtype, p.engine_mode) == ("cuda:0", "bfloat16", "loop")
+    assert p.uses_loop and p.num_slots == 1024 and p.buckets == (8, 32, 128, 512, 2048)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +64,7 @@ def test_gpu_example_profile_is_refused_as_not_built(tmp_path):
         ({"model": {"block_size": 12}}, "models[0].block_size: must be a power of two"),
         ({"model": {"dtype": "int3"}}, "models[0].dtype"),
         ({"model": {"device": "tpu"}}, "models[0].device: 'tpu': expected 'cpu' or 'cuda:N'"),
-        ({"model": {"device": "cuda:1"}}, "models[0].device: 'cuda:1': not built yet"),
+        ({"model": {"device": "cuda"}}, "models[0].device: 'cuda': expected 'cpu' or 'cuda:N'"),
         ({"model": {"sm_count": 66}}, "models[0].sm_count: not built yet"),
         ({"model": {"max_output_tokens": 256}}, "max_output_tokens (256) must be < max_model_len (256)"),
         ({"frontend": {"transport": "rdma"}}, "frontend.transport: 'rdma': not built yet"),
@@ -143,7 +141,16 @@ def test_plan_caps_blocks_at_what_max_seqs_can_use_and_refuses_too_small_budgets
 
 def test_plan_kv_fraction_is_of_memory_left_after_weights():
     cfg = preset_config("tiny")
-    p = parse_profile(_profile(model={"kv_budget_gib": None, "kv_fraction": 0.5, "max_seqs": 1000}))
+    p = parse_profile(
+        _profile(
+            model={
+                "kv_budget_gib": None,
+                "kv_fraction": 0.5,
+                "max_seqs": 1000,
+                "max_num_batched_tokens": 1000,
+            }
+        )
+    )
     plan = resolve_plan(p.model, cfg, available_bytes=plan_weights(cfg) + 10 * 2**20)
     assert plan.kv_budget_bytes == 5 * 2**20
 
@@ -188,3 +195,110 @@ def test_toml_round_trip(tmp_path):
     assert p.appliance.shm_name == "blink-test"
     assert p.frontend.port == 0 and p.frontend.api_keys == ["secret-key-1"]
     assert p.telemetry.enabled is False
+
+
+# -- the engine: reference on cpu, the GPU loop (mode "loop" or "host") on cuda -------------------
+
+
+def test_engine_mode_defaults_by_device():
+    cpu = parse_profile(_profile())
+    assert (cpu.engine_mode, cpu.uses_loop) == ("reference", False)
+    gpu = parse_profile(_profile(model={"device": "cuda:1"}))
+    assert (gpu.engine_mode, gpu.uses_loop) == ("loop", True)
+    host = parse_profile(_profile(model={"device": "cuda:0"}, engine={"mode": "host"}))
+    assert host.engine_mode == "host" and host.uses_loop
+    # The loop's kernels run on the CPU only one step per host call, under the Triton interpreter.
+    assert parse_profile(_profile(engine={"mode": "host"})).engine_mode == "host"
+
+
+def test_loop_capacities_default_from_the_model_and_front_end():
+    p = parse_profile(
+        _profile(
+            model={"device": "cuda:0", "max_seqs": 64, "max_num_batched_tokens": 512},
+            frontend={"max_inflight": 300},
+        )
+    )
+    assert p.num_slots == 300 and p.buckets == (8, 32, 128, 512)
+    q = parse_profile(_profile(model={"device": "cuda:0", "max_seqs": 64, "max_num_batched_tokens": 100}))
+    assert q.num_slots == 256 and q.buckets == (8, 32, 100)  # the budget itself is the last bucket
+    few = parse_profile(
+        _profile(
+            model={"device": "cuda:0", "max_seqs": 64, "max_num_batched_tokens": 64},
+            frontend={"max_inflight": 8},
+        )
+    )
+    assert few.num_slots == 64  # never fewer slots than one step's sequences
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        (
+            {"engine": {"mode": "loop"}},
+            "engine.mode: 'loop' needs a CUDA device (models[0].device is 'cpu')",
+        ),
+        (
+            {"model": {"device": "cuda:0"}, "engine": {"mode": "reference"}},
+            "engine.mode: 'reference' (the CPU reference engine) runs on device 'cpu' only, not 'cuda:0'",
+        ),
+        ({"engine": {"mode": "warp"}}, "engine.mode"),
+        ({"engine": {"num_slots": 8}}, "engine.num_slots: only the GPU loop uses it"),
+        ({"engine": {"buckets": [8, 512]}}, "engine.buckets: only the GPU loop uses it"),
+        ({"engine": {"mode": "host", "buckets": [32, 8, 512]}}, "engine.buckets: must be distinct positive"),
+        ({"engine": {"mode": "host", "buckets": [0, 512]}}, "engine.buckets: must be distinct positive"),
+        ({"engine": {"mode": "host", "buckets": []}}, "engine.buckets: must be distinct positive"),
+        (
+            {"engine": {"mode": "host", "buckets": [8, 256]}},
+            "engine.buckets: must end at models[0].max_num_batched_tokens (512), got [8, 256]",
+        ),
+        (
+            {"model": {"device": "cuda:0"}, "engine": {"num_slots": 16}},
+            "engine.num_slots: (16) must be >= models[0].max_seqs (32)",
+        ),
+        ({"engine": {"num_slots": 0}}, "engine.num_slots"),
+        ({"engine": {"mode": "loop", "speed": 3}}, "engine.speed: unknown key"),
+        (
+            {"model": {"max_seqs": 64, "max_num_batched_tokens": 32}},
+            "max_num_batched_tokens (32) must be >= max_seqs (64)",
+        ),
+    ],
+)
+def test_engine_errors_name_the_key_path(sections, expected):
+    assert expected in _error(_profile(**sections))
+
+
+def test_loop_geometry_is_the_device_state_geometry():
+    from blink_appliance.profile import loop_geometry
+
+    cfg = preset_config("tiny")
+    p = parse_profile(
+        _profile(
+            model={"device": "cuda:0", "max_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256},
+            engine={"mode": "host", "num_slots": 6, "buckets": [8, 64]},
+            frontend={"max_inflight": 16},
+        )
+    )
+    plan = resolve_plan(p.model, cfg)
+    g = loop_geometry(p, plan, cfg)
+    assert (g.num_slots, g.max_num_seqs, g.max_num_batched_tokens, g.buckets) == (6, 4, 64, (8, 64))
+    assert (g.block_size, g.num_kv_blocks, g.max_model_len) == (16, plan.num_kv_blocks, 256)
+    assert g.max_stop_ids == ring_geometry(p).max_stop_ids
+    assert (g.vocab_size, g.eos_token_ids) == (cfg.vocab_size, tuple(cfg.eos_token_ids))
+    assert g.max_blocks_per_seq <= g.num_kv_blocks
+    with pytest.raises(ProfileError, match="engine.mode: 'reference' does not run the GPU loop"):
+        loop_geometry(parse_profile(_profile()), plan, cfg)
+
+
+def test_kv_fraction_on_cuda_needs_that_gpu():
+    import torch
+
+    p = parse_profile(_profile(model={"device": "cuda:7", "kv_budget_gib": None, "kv_fraction": 0.5}))
+    cfg = preset_config("tiny")
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(ProfileError, match=r"models\[0\].kv_fraction: sizing the KV cache .* needs cuda:7"):
+        resolve_plan(p.model, cfg)
+    # A fixed budget plans without the GPU, and an explicit reading stands in for it.
+    fixed = parse_profile(_profile(model={"device": "cuda:7"}))
+    assert resolve_plan(fixed.model, cfg).num_kv_blocks > 0
+    assert resolve_plan(p.model, cfg, available_bytes=1 << 30).num_kv_blocks > 0
