@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
 from blink_appliance.engine.request import FinishReason, Request, TokenEvent
 from blink_appliance.transport.engine_server import EngineServer
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import RingGeometry, region_size
+from blink_appliance.transport.ring_layout import EngineState, RingGeometry, region_size
 from blink_appliance.transport.shm_transport import ShmTransport
 
 EOS = 2
@@ -141,6 +142,12 @@ def server_thread(engine, transport, geometry: RingGeometry = SMALL, **options):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    # Hand the server over only once it runs: a client attaching earlier waits just a moment for a
+    # heartbeat, and on a loaded CI machine thread start-up can take longer than that.
+    deadline = time.monotonic() + 10
+    while server.region.load("engine_state") != EngineState.RUNNING and not errors:
+        assert thread.is_alive() and time.monotonic() < deadline, "engine server did not start"
+        time.sleep(0.005)
     try:
         yield server
     finally:
