@@ -35,8 +35,14 @@ def ours(path, new_tokens: int) -> dict[str, float]:
     for batch in (1, 8):
         engine = LLMEngine(
             model,
-            EngineConfig(block_size=16, num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=512,
-                         max_model_len=1024, eos_token_ids=ckpt.config.eos_token_ids),
+            EngineConfig(
+                block_size=16,
+                num_kv_blocks=512,
+                max_num_seqs=16,
+                max_num_batched_tokens=512,
+                max_model_len=1024,
+                eos_token_ids=ckpt.config.eos_token_ids,
+            ),
         )
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         engine.generate([Request(1000 + i, list(ids), params) for i in range(2)])  # warm-up
@@ -76,10 +82,12 @@ def main() -> None:
     args = ap.parse_args()
     path = resolve("smollm2-135m-instruct")
     torch.manual_seed(0)
-    rows = {"blink-appliance (reference engine)": ours(path, args.new_tokens),
-            f"transformers {__import__('transformers').__version__} generate()": hf(path, args.new_tokens)}
+    rows = {
+        "blink-appliance (reference engine)": ours(path, args.new_tokens),
+        f"transformers {__import__('transformers').__version__} generate()": hf(path, args.new_tokens),
+    }
     lines = [
-        f"# CPU reference engine vs transformers: SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
+        "# CPU reference engine vs transformers: SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
         "",
         f"- date: {dt.date.today()}; machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads",

@@ -78,8 +78,8 @@ def _make_engine(kind: str):
     if kind == "trivial":
         return TrivialEngine()
     import torch
-    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
 
+    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
     from blink_appliance.model.loaders import build_model, load_checkpoint
 
     return LLMEngine(build_model(load_checkpoint("dummy:tiny"), torch.float32, "cpu"), EngineConfig())

@@ -37,8 +37,8 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     from blink_appliance.dpu.auth import configured_keys
     from blink_appliance.dpu.completion_service import CompletionService, ServiceLimits
     from blink_appliance.dpu.metrics import ServingMetrics
-    from blink_appliance.model.detokenizer import IncrementalDetokenizer
 
+    from blink_appliance.model.detokenizer import IncrementalDetokenizer
     from blink_appliance.model.loaders import load_tokenizer
     from blink_appliance.telemetry.source import TelemetrySource
     from blink_appliance.transport.engine_client import EngineClient

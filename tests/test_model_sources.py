@@ -58,9 +58,15 @@ def test_hf_dir_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         load_checkpoint(f"hf:{tmp_path}")
-    cfg = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 2,
-           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
         load_checkpoint(f"hf:{tmp_path}")

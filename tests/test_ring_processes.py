@@ -39,8 +39,8 @@ def make_engine(kind: str):
         return CounterEngine(max_running=64, step_delay_s=0.01)
     if kind == "tiny":
         import torch
-        from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
 
+        from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
         from blink_appliance.model.loaders import build_model, load_checkpoint
 
         torch.manual_seed(0)
