@@ -82,16 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     lst = msub.add_parser("list", help="list named models and whether they are cached")
     lst.set_defaults(func=_cmd_models_list)
 
-    top = sub.add_parser("top", help="live dashboard of a running appliance", add_help=False)
-    top.add_argument("rest", nargs=argparse.REMAINDER)
+    from blink_appliance.tui.app import add_arguments as add_top_arguments
+
+    top = sub.add_parser("top", help="live dashboard of a running appliance")
+    add_top_arguments(top)
     top.set_defaults(func=_cmd_top)
     return parser
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from blink_appliance.tui.app import main as top_main
+    from blink_appliance.tui.app import run_dashboard
 
-    top_main(args.rest)
+    run_dashboard(args.url, args.api_key)
     return 0
 
 

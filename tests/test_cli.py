@@ -98,3 +98,11 @@ def test_console_script_is_installed():
     assert r.returncode == 0
     for command in ("up", "check", "models", "top"):
         assert command in r.stdout
+
+
+def test_top_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["top", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--api-key" in out and "url" in out

@@ -219,3 +219,22 @@ async def test_unreachable_appliance_shows_disconnected() -> None:
         assert "no models reported yet" in model_text(app)
         assert "n/a" in host_text(app)
         await asyncio.sleep(0)
+
+
+async def test_api_key_reaches_the_telemetry_stream(aiohttp_server, source: TelemetrySource) -> None:
+    from blink_appliance.dpu.app import openai_errors
+    from blink_appliance.dpu.auth import bearer_auth_middleware
+
+    app_with_keys = web.Application(middlewares=[openai_errors, bearer_auth_middleware(("secret",))])
+    add_telemetry_routes(app_with_keys, source)
+    server = await aiohttp_server(app_with_keys)
+    url = str(server.make_url(""))
+
+    keyless = dashboard(url)
+    async with keyless.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: keyless.connection == "disconnected")
+        assert "401" in text_of(keyless.query_one(StatusBar))
+
+    keyed = BlinkDashboard(url, backoff=Backoff(initial_s=0.1, maximum_s=0.3), api_key="secret")
+    async with keyed.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: keyed.connection == "live" and keyed.snapshot is not None)

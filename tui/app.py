@@ -6,6 +6,7 @@ Run: `python -m blink_appliance.tui.app [URL]` or, from the CLI, `run_dashboard(
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 
 import aiohttp
@@ -54,9 +55,13 @@ class BlinkDashboard(App[None]):
     connection: reactive[str] = reactive("connecting")
     connection_detail: reactive[str] = reactive("")
 
-    def __init__(self, url: str = DEFAULT_URL, *, backoff: Backoff | None = None) -> None:
+    def __init__(
+        self, url: str = DEFAULT_URL, *, backoff: Backoff | None = None, api_key: str | None = None
+    ) -> None:
         super().__init__()
         self.url = url
+        # With API keys configured, /telemetry* needs a bearer key like /v1/* does (dpu/auth.py).
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.backoff = backoff if backoff is not None else Backoff()
         self.snapshots_received = 0
 
@@ -75,7 +80,7 @@ class BlinkDashboard(App[None]):
         self.run_worker(self._follow_stream(), name="telemetry-stream", exclusive=True)
 
     async def _follow_stream(self) -> None:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=self._headers) as session:
             while True:
                 self.connection = "connecting"
                 self.connection_detail = ""
@@ -147,18 +152,28 @@ class BlinkDashboard(App[None]):
         self.paused = not self.paused
 
 
-def run_dashboard(url: str = DEFAULT_URL) -> None:
+def run_dashboard(url: str = DEFAULT_URL, api_key: str | None = None) -> None:
     """Entry point for `blink-appliance top [URL]`: runs until the user quits."""
-    BlinkDashboard(url).run()
+    BlinkDashboard(url, api_key=api_key).run()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="blink-appliance top", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    run_dashboard(args.url, args.api_key)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`top`'s arguments, shared by `blink-appliance top` and `python -m blink_appliance.tui.app`."""
     parser.add_argument(
         "url", nargs="?", default=DEFAULT_URL, help=f"appliance base URL (default {DEFAULT_URL})"
     )
-    args = parser.parse_args(argv)
-    run_dashboard(args.url)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("BLINK_API_KEY"),
+        help="bearer key, when the appliance has API keys configured (default: $BLINK_API_KEY)",
+    )
 
 
 if __name__ == "__main__":
