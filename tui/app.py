@@ -6,8 +6,8 @@ Run: `python -m blink_appliance.tui.app [URL]` or, from the CLI, `run_dashboard(
 from __future__ import annotations
 
 import argparse
-import os
 import asyncio
+import os
 
 import aiohttp
 from blink_appliance.tui.client import Backoff, stream_snapshots
