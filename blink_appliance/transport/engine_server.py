@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -19,14 +18,16 @@ from typing import Protocol
 import numpy as np
 
 from blink_appliance.engine.request import FinishReason, Request, SamplingParams, TokenEvent
-from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import (
-    FINAL_BIT,
-    FINISH_CODES,
-    EngineState,
-    ErrorCode,
-    RingGeometry,
+from blink_appliance.transport.engine_lifecycle import (
+    Heartbeat,
+    begin_epoch,
+    drain_ring,
+    finish_open_channels,
+    release_arena,
+    write_terminal,
 )
+from blink_appliance.transport.region import RingRegion
+from blink_appliance.transport.ring_layout import EngineState, ErrorCode, RingGeometry
 from blink_appliance.transport.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,9 @@ class EngineServer:
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set or the shutdown word is written; then abort what is in flight."""
         self._start()
-        beat_stop = threading.Event()
-        beat = threading.Thread(
-            target=self._heartbeat, args=(beat_stop,), name="engine-heartbeat", daemon=True
-        )
-        beat.start()
+        # A thread, not this loop, beats: a long CPU step (a big prefill) must not look like death.
+        heartbeat = Heartbeat(self.region, self.heartbeat_interval_s)
+        heartbeat.start()
         try:
             idle = 0
             while not stop.is_set():
@@ -156,38 +155,16 @@ class EngineServer:
             self.region.store("engine_state", EngineState.FAILED)
             raise
         finally:
-            beat_stop.set()
-            beat.join()
-
-    def _heartbeat(self, stop: threading.Event) -> None:
-        # A thread, not the loop, so that a long CPU step (a big prefill) does not look like death;
-        # it dies with the process, which is what the front end must notice.
-        while not stop.is_set():
-            self.region.store("engine_heartbeat_ns", time.monotonic_ns())
-            stop.wait(self.heartbeat_interval_s)
+            heartbeat.stop()
 
     def _start(self) -> None:
         """Take over the region: new epoch, finish channels a previous epoch left open."""
         r = self.region
-        r.store("engine_state", EngineState.STARTING)
-        r.store("engine_epoch", r.load("engine_epoch") + 1)
-        r.store("engine_pid", os.getpid())
+        begin_epoch(r)
         self._tail = r.load("req_tail")
         self._arena_tail = r.load("arena_tail")
         # Requests still in the ring will be served; channels open without one lost their engine.
-        queued: set[tuple[int, int]] = set()
-        head = r.load("req_head")
-        for position in range(self._tail, head):
-            if r.record_seq(position) == position + 1:
-                rec = r.read_record(position)[0]
-                queued.add((int(rec["slot"]), int(rec["generation"])))
-        ctl, prog = r.ctl_table(), r.progress_table()
-        for slot in np.nonzero(ctl["generation"] != prog["done"])[0]:
-            gen = int(ctl["generation"][slot])
-            if (int(slot), gen) not in queued:
-                self._write_terminal(
-                    int(slot), gen, FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED, "engine restarted"
-                )
+        finish_open_channels(r, FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED, "engine restarted")
         self._fe_heartbeat = r.load("frontend_heartbeat_ns")
         self._fe_heartbeat_seen_ns = time.monotonic_ns()
         r.store("engine_heartbeat_ns", time.monotonic_ns())
@@ -207,10 +184,7 @@ class EngineServer:
         return admitted > 0
 
     def _release_arena(self, record: np.void) -> None:
-        end = min(max(int(record["arena_end"]), self._arena_tail), self.region.load("arena_head"))
-        if end != self._arena_tail:
-            self._arena_tail = end
-            self.region.store("arena_tail", end)
+        self._arena_tail = release_arena(self.region, self._arena_tail, int(record["arena_end"]))
 
     def _admit_record(self, record: np.void) -> None:
         slot, gen = int(record["slot"]), int(record["generation"])
@@ -343,15 +317,8 @@ class EngineServer:
 
     def _drain_ring(self, reason: FinishReason, code: ErrorCode, detail: str) -> None:
         """Finish every record still queued without running it."""
-        r = self.region
-        while r.record_seq(self._tail) == self._tail + 1:
-            record = r.read_record(self._tail)[0]
-            slot, gen = int(record["slot"]), int(record["generation"])
-            self._release_arena(record)
-            if slot < self.geometry.max_inflight and gen and r.load_ctl(slot, "generation") == gen:
-                self._write_terminal(slot, gen, reason, code, detail)
-            self._tail += 1
-            r.store("req_tail", self._tail)
+        drain_ring(self.region, reason, code, detail)  # from the region's req_tail/arena_tail = ours
+        self._tail, self._arena_tail = self.region.load("req_tail"), self.region.load("arena_tail")
 
     # -- output -----------------------------------------------------------------------------------
     def _publish(self, events: list[TokenEvent]) -> None:
@@ -413,20 +380,9 @@ class EngineServer:
         stamp: int = 0,
         count: int | None = None,
     ) -> None:
-        """Status, then the final count (| FINAL_BIT), then done = generation: after that last
-        store the slot is the front end's. `count` None: keep what the channel already holds."""
-        if count is None:
-            count = self.region.load_progress(slot, "count") & ~FINAL_BIT
-        self.region.write_status(
-            slot,
-            finish_ns=stamp or time.monotonic_ns(),
-            finish_code=FINISH_CODES[reason],
-            error_code=int(code),
-            terminal_token=token,
-            detail=detail,
+        write_terminal(
+            self.region, slot, generation, reason, code, detail, token=token, stamp=stamp, count=count
         )
-        self.region.store_progress(slot, "count", count | FINAL_BIT)
-        self.region.store_progress(slot, "done", generation)
 
     # -- telemetry --------------------------------------------------------------------------------
     def _maybe_telemetry(self) -> None:
