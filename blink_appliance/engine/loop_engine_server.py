@@ -1,0 +1,316 @@
+"""Engine side of the rings for the GPU loop: take the region, launch, watch, stop (the loop's
+counterpart of transport/engine_server.py, which serves the CPU reference engine).
+
+The loop's kernels do the token path themselves: schedule reads records from the mapped ring,
+commit writes tokens, counts and terminal events into it (engine/device_state.py). What is left
+for the host is the life cycle around it, in one of two modes over the same kernels:
+
+- "loop": the DeviceLoop graph is launched once. This thread then only writes the heartbeat,
+  copies the loop's counters into the ring's telemetry words (on a side stream: it never waits for
+  the loop), and watches for shutdown and for the loop's end or failure.
+- "host": this thread runs one loop iteration per call (`host_step`, which waits for it), the
+  vLLM-style baseline; with nothing to do it polls the ring with short sleeps.
+
+Life cycle, as EngineServer's (engine_lifecycle.py, docs/protocol.md): a new epoch, channels a dead
+epoch left open get engine_restarted, RUNNING once the loop serves. Shutdown arrives as the ring's
+shutdown word, or as `stop` (SIGTERM), which this server turns into that word because the kernels
+read only the ring. The loop then marks every slot FINISHING and commit publishes ABORT + shutdown
+for each; records still queued are drained here; STOPPED. A failure (an exception here, a CUDA error
+of the loop) marks the region FAILED and, once the token path has stopped, fails every request the
+loop held with engine_failure; queued records stay for the next epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState
+from blink_appliance.engine.request import FinishReason
+from blink_appliance.transport.engine_lifecycle import (
+    Heartbeat,
+    begin_epoch,
+    drain_ring,
+    finish_open_channels,
+    request_shutdown,
+    withdraw_shutdown_request,
+)
+from blink_appliance.transport.region import RingRegion
+from blink_appliance.transport.ring_layout import TELEMETRY_FIELDS, EngineState, ErrorCode
+
+log = logging.getLogger(__name__)
+
+LoopMode = Literal["loop", "host"]
+
+
+class DeviceLoopLike(Protocol):
+    """What this server uses of engine/device_loop.py's DeviceLoop (launch once, then watch)."""
+
+    def launch(self) -> None: ...
+    def running(self) -> bool: ...  # raises on a CUDA error of the loop
+    def join(self, timeout_s: float | None = None) -> bool: ...
+    def close(self) -> None: ...
+
+
+class LoopSnapshot:
+    """The loop's counters, slot states and free-block count, copied to host memory.
+
+    On a CUDA device the copies run on a stream of their own into pinned memory and only that
+    stream is waited for, so reading never waits for the loop's graph; the values of one snapshot
+    may come from different iterations (fine for telemetry). On the CPU (mode "host" under the
+    Triton interpreter) they are plain copies between steps.
+    """
+
+    def __init__(self, state: DeviceState) -> None:
+        self._sources = (state.counters, state.slot_state, state.free_top)
+        cuda = state.counters.is_cuda
+        self._host = tuple(torch.empty_like(t, device="cpu", pin_memory=cuda) for t in self._sources)
+        self._stream = torch.cuda.Stream(state.counters.device) if cuda else None
+
+    def read(self) -> tuple[list[int], list[int], int]:
+        """(counters in COUNTERS order, slot states, free_top)."""
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for host, source in zip(self._host, self._sources, strict=True):
+                    host.copy_(source, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            for host, source in zip(self._host, self._sources, strict=True):
+                host.copy_(source)
+        counters, slots, free_top = self._host
+        return counters.tolist(), slots.tolist(), int(free_top[0])
+
+
+def telemetry_values(
+    counters: list[int], slot_states: list[int], free_top: int, num_kv_blocks: int
+) -> dict[str, int]:
+    """The ring's telemetry words (ring_layout.TELEMETRY_FIELDS) from a loop snapshot."""
+    values = {name: int(counters[i]) for name, i in COUNTER_INDEX.items() if name in TELEMETRY_FIELDS}
+    values["running"] = sum(1 for s in slot_states if s == SlotState.RUNNING)
+    values["waiting"] = sum(1 for s in slot_states if s == SlotState.WAITING)
+    values["kv_blocks_total"] = num_kv_blocks
+    values["kv_blocks_used"] = num_kv_blocks - free_top
+    return values
+
+
+@dataclass
+class StopReport:
+    """How the last run ended, for logs and tests."""
+
+    state: EngineState = EngineState.ABSENT
+    drained_records: int = 0  # records still queued at shutdown, finished here
+    # Channels the loop left open after a clean stop: commit should have finished each one, so
+    # anything here is a loop bug; they are finished here (ABORT, shutdown) so no client hangs.
+    left_open: int = 0
+    failed_requests: int = 0  # requests failed with engine_failure after a failure
+
+
+class LoopEngineServer:
+    def __init__(
+        self,
+        region: RingRegion,
+        state: DeviceState,
+        geometry: LoopGeometry,
+        *,
+        mode: LoopMode,
+        host_step: Callable[[], None] | None = None,
+        device_loop: DeviceLoopLike | None = None,
+        clock_offset_ns: Callable[[], int] | None = None,
+        heartbeat_interval_s: float = 0.05,
+        telemetry_interval_s: float = 0.05,
+        idle_sleep_s: float = 0.0005,
+        frontend_timeout_s: float = 5.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        if mode == "loop" and device_loop is None:
+            raise ValueError("mode 'loop' needs the built DeviceLoop")
+        if mode == "host" and host_step is None:
+            raise ValueError("mode 'host' needs host_step (LoopStep.host_step)")
+        if mode not in ("loop", "host"):
+            raise ValueError(f"mode must be 'loop' or 'host', got {mode!r}")
+        self.region = region
+        self.state = state
+        self.geometry = geometry
+        self.mode = mode
+        self.host_step = host_step
+        self.device_loop = device_loop
+        self.clock_offset_ns = clock_offset_ns
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.telemetry_interval_ns = int(telemetry_interval_s * 1e9)
+        self.idle_sleep_s = idle_sleep_s
+        self.frontend_timeout_ns = int(frontend_timeout_s * 1e9)
+        self.stop_timeout_s = stop_timeout_s
+        self.snapshot = LoopSnapshot(state)
+        self.report = StopReport()
+        self._telemetry_at = 0
+        self._last_step_ns = 0
+        self._fe_heartbeat = 0
+        self._fe_heartbeat_seen_ns = 0
+
+    # -- the whole run ----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set or the ring's shutdown word is written."""
+        heartbeat = Heartbeat(self.region, self.heartbeat_interval_s)
+        launched = False
+        try:
+            self._start()
+            if self.mode == "loop":
+                assert self.device_loop is not None
+                self.device_loop.launch()
+                launched = True
+                self.region.store("engine_state", EngineState.RUNNING)
+                self._watch_loop(stop, heartbeat)
+            else:
+                heartbeat.start()  # a thread: a long step must not look like death
+                self.region.store("engine_state", EngineState.RUNNING)
+                self._drive(stop)
+            self._finish_stopped()
+        except BaseException as exc:
+            log.exception("loop engine failed")
+            self._fail(exc, launched)
+            raise
+        finally:
+            heartbeat.stop()
+            withdraw_shutdown_request(self.region)
+
+    def _start(self) -> None:
+        r = self.region
+        begin_epoch(r)
+        # Channels open without a queued record were taken by an engine epoch that died.
+        finish_open_channels(r, FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED, "engine restarted")
+        if self.clock_offset_ns is not None:
+            # Commit stamps tokens with the device clock plus this offset: host CLOCK_MONOTONIC ns.
+            self.state.clock_offset_ns.fill_(self.clock_offset_ns())
+        self._fe_heartbeat = r.load("frontend_heartbeat_ns")
+        self._fe_heartbeat_seen_ns = time.monotonic_ns()
+        r.store("engine_heartbeat_ns", time.monotonic_ns())
+        self._write_telemetry()
+
+    # -- mode "loop": launched once, this thread only watches --------------------------------------
+    def _watch_loop(self, stop: threading.Event, heartbeat: Heartbeat) -> None:
+        assert self.device_loop is not None
+        interval = min(self.heartbeat_interval_s, self.telemetry_interval_ns / 1e9)
+        while self.device_loop.running():
+            heartbeat.beat()
+            self._maybe_telemetry()
+            self._reclaim_if_frontend_lost()
+            if stop.is_set():
+                self._stop_token_path()
+                return
+            stop.wait(interval)
+
+    # -- mode "host": one loop iteration per call ---------------------------------------------------
+    def _drive(self, stop: threading.Event) -> None:
+        assert self.host_step is not None
+        r = self.region
+        stopping_since: float | None = None
+        while int(self.state.keep_running[0]):
+            if stop.is_set():
+                request_shutdown(r)
+            if stopping_since is None and r.load("shutdown"):
+                stopping_since = time.monotonic()
+            elif stopping_since is not None and time.monotonic() - stopping_since > self.stop_timeout_s:
+                raise TimeoutError(f"the loop did not stop within {self.stop_timeout_s} s of shutdown")
+            idle = (
+                int(self.state.num_active[0]) == 0
+                and r.load("req_head") == r.load("req_tail")
+                and not r.load("shutdown")
+            )
+            if idle:
+                self._reclaim_if_frontend_lost()
+                self._maybe_telemetry()
+                stop.wait(self.idle_sleep_s)
+                continue
+            t0 = time.monotonic_ns()
+            self.host_step()
+            self._last_step_ns = time.monotonic_ns() - t0
+            self._reclaim_if_frontend_lost()
+            self._maybe_telemetry()
+
+    # -- stopping and failing -----------------------------------------------------------------------
+    def _stop_token_path(self) -> None:
+        """Ask the loop to stop through the ring and wait for it (it publishes every slot's terminal)."""
+        assert self.device_loop is not None
+        request_shutdown(self.region)
+        if not self.device_loop.join(self.stop_timeout_s):
+            raise TimeoutError(f"the device loop did not stop within {self.stop_timeout_s} s of shutdown")
+
+    def _finish_stopped(self) -> None:
+        r = self.region
+        self.report.drained_records = drain_ring(
+            r, FinishReason.ABORT, ErrorCode.SHUTDOWN, "engine shut down"
+        )
+        left = finish_open_channels(r, FinishReason.ABORT, ErrorCode.SHUTDOWN, "engine shut down")
+        self.report.left_open = len(left)
+        if left:
+            log.error(
+                "the loop stopped with %d requests unfinished (slots %s); finished them here", len(left), left
+            )
+        self._write_telemetry()
+        r.store("engine_state", EngineState.STOPPED)
+        self.report.state = EngineState.STOPPED
+
+    def _fail(self, exc: BaseException, launched: bool) -> None:
+        """FAILED first (the front end stops submitting), then fail what the loop held once it is
+        certain no kernel writes the channels any more."""
+        r = self.region
+        r.store("engine_state", EngineState.FAILED)
+        self.report.state = EngineState.FAILED
+        if launched and not self._device_loop_stopped():
+            log.error("the device loop did not stop; its requests end when this process does")
+            return
+        detail = f"engine failed: {exc!r}"
+        failed = finish_open_channels(r, FinishReason.ERROR, ErrorCode.ENGINE_FAILURE, detail)
+        self.report.failed_requests = len(failed)
+
+    def _device_loop_stopped(self) -> bool:
+        assert self.device_loop is not None
+        try:
+            if not self.device_loop.running():
+                return True
+            request_shutdown(self.region)
+            return self.device_loop.join(self.stop_timeout_s)
+        except RuntimeError:
+            return True  # a CUDA error: the context is gone, and no kernel of it runs any more
+
+    # -- front end liveness ---------------------------------------------------------------------------
+    def _reclaim_if_frontend_lost(self) -> None:
+        """The front end's heartbeat went stale while requests are open: cancel them all through
+        their cancel words (the loop honours those like a client cancel) so their slots come free."""
+        r = self.region
+        now = time.monotonic_ns()
+        beat = r.load("frontend_heartbeat_ns")
+        if beat != self._fe_heartbeat:
+            self._fe_heartbeat, self._fe_heartbeat_seen_ns = beat, now
+            return
+        if now - self._fe_heartbeat_seen_ns <= self.frontend_timeout_ns:
+            return
+        self._fe_heartbeat_seen_ns = now
+        ctl, prog = r.ctl_table(), r.progress_table()
+        open_slots = (ctl["generation"] != prog["done"]) & (ctl["cancel"] != ctl["generation"])
+        slots = [int(s) for s in open_slots.nonzero()[0]]
+        if slots:
+            log.warning("front end heartbeat stale; cancelling %d requests", len(slots))
+            for slot in slots:
+                r.store_ctl(slot, "cancel", int(ctl["generation"][slot]))
+
+    # -- telemetry ------------------------------------------------------------------------------------
+    def _maybe_telemetry(self) -> None:
+        now = time.monotonic_ns()
+        if now - self._telemetry_at >= self.telemetry_interval_ns:
+            self._telemetry_at = now
+            self._write_telemetry()
+
+    def _write_telemetry(self) -> None:
+        counters, slots, free_top = self.snapshot.read()
+        values = telemetry_values(counters, slots, free_top, self.geometry.num_kv_blocks)
+        # Host mode times its steps; the launched loop has no per-step time on the host (0).
+        values["last_step_ns"] = self._last_step_ns
+        values["updated_ns"] = time.monotonic_ns()
+        self.region.write_telemetry(values)
