@@ -19,6 +19,7 @@ from blink_appliance.engine.device_loop import (
     SetWhile,
     Switch,
     SwitchStep,
+    engine_body,
     plan_body,
 )
 from blink_appliance.engine.loop_control import KERNELS, Backoff, kernel_source
@@ -59,6 +60,37 @@ def test_plan_puts_setters_before_each_switch_and_set_while_last():
     ]
     # A body ending in a switch still ends with a capture holding set_while.
     assert plan_body([s1]).steps == [CaptureStep([SetSwitch(0)]), SwitchStep(0), CaptureStep([SetWhile()])]
+
+
+def test_engine_body_is_schedule_bucket_switch_sampler_switch_commit():
+    class Buckets:  # the part of ForwardGraphs the body uses
+        buckets = (8, 32, 128)
+
+        def raw_cuda_graph(self, num_tokens: int) -> int:
+            return 1000 + num_tokens
+
+    def schedule() -> None: ...
+
+    def greedy() -> None: ...
+
+    def full() -> None: ...
+
+    def commit() -> None: ...
+
+    bucket_index, sampler_index = _i32(), _i32()
+    body = engine_body(
+        bucket_index=bucket_index, sampler_index=sampler_index, forward=Buckets(),
+        schedule=schedule, sample_greedy=greedy, sample_full=full, commit=commit,
+    )  # fmt: skip
+    assert body[0] is schedule and body[3] is commit
+    bucket, sampler = body[1], body[2]
+    assert bucket.value is bucket_index and sampler.value is sampler_index
+    assert [list(b) for b in bucket.branches] == [[RawGraph(1008)], [RawGraph(1032)], [RawGraph(1128)]]
+    assert [list(b) for b in sampler.branches] == [[greedy], [full]]
+    steps = plan_body(body).steps
+    assert steps[0] == CaptureStep([schedule, SetSwitch(0)]) and steps[-1] == CaptureStep(
+        [commit, SetWhile()]
+    )
 
 
 def test_switch_and_backoff_validation():

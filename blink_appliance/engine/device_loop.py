@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -132,6 +133,37 @@ def plan_body(segments: Sequence[Segment]) -> BodyPlan:
     pending.launches.append(SetWhile())
     steps.append(pending)
     return BodyPlan(steps, switches)
+
+
+class BucketGraphs(Protocol):
+    """What the loop uses of ForwardGraphs: the captured bucket sizes and their cudaGraph_t."""
+
+    buckets: tuple[int, ...]
+
+    def raw_cuda_graph(self, num_tokens: int) -> int: ...
+
+
+def engine_body(
+    *,
+    bucket_index: torch.Tensor,
+    sampler_index: torch.Tensor,
+    forward: BucketGraphs,
+    schedule: Launch,
+    sample_greedy: Launch,
+    sample_full: Launch,
+    commit: Launch,
+) -> list[Segment]:
+    """The engine iteration (docs/device_loop.md): schedule -> SWITCH bucket -> SWITCH sampler -> commit.
+
+    bucket_index / sampler_index are DeviceState's: bucket_index = len(forward.buckets) runs no
+    forward; sampler_index 0 = greedy, 1 = full, 2 (or more) = no sampling.
+    """
+    return [
+        schedule,
+        Switch("bucket", bucket_index, [[RawGraph(forward.raw_cuda_graph(T))] for T in forward.buckets]),
+        Switch("sampler", sampler_index, [[sample_greedy], [sample_full]]),
+        commit,
+    ]
 
 
 class DeviceLoop:
