@@ -508,6 +508,40 @@ async def test_200_concurrent_streaming_clients_all_complete(live):
     assert all(reason == "length" and done for _, reason, done in results), results
 
 
+async def test_dashboard_shows_live_changing_numbers(live):
+    """`blink-appliance top` (headless, Textual pilot) against this appliance: numbers move after requests."""
+    from blink_appliance.tui.app import BlinkDashboard
+    from blink_appliance.tui.widgets import ModelPanel
+
+    app = BlinkDashboard(live.url, api_key=API_KEY)  # the appliance has API keys: /telemetry needs one
+
+    def total_tokens() -> int | None:
+        model = app.snapshot.model(MODEL_NAME) if app.snapshot is not None else None
+        return None if model is None else model.latency.total_tokens
+
+    def panel_text() -> str:
+        panel = app.query_one(ModelPanel)
+        return "\n".join(str(w.render()) for w in panel.query("Static"))
+
+    async with app.run_test(size=(100, 30)) as pilot:
+        deadline = time.monotonic() + 20
+        while app.connection != "live" or total_tokens() is None:
+            assert time.monotonic() < deadline, app.connection
+            await pilot.pause(0.1)
+        before = total_tokens()
+        await asyncio.gather(
+            *(_stream(live, "/v1/completions", _completion(f"Count {i}:", max_tokens=6, ignore_eos=True))
+              for i in range(3))
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while total_tokens() < before + 18:
+            assert time.monotonic() < deadline, (before, total_tokens())
+            await pilot.pause(0.1)
+        await pilot.pause(0.3)  # one more refresh, so the panel shows what the snapshot holds
+        assert MODEL_NAME in (app.query_one(ModelPanel).border_title or "")
+        assert f"total {total_tokens()}" in panel_text(), panel_text()
+
+
 async def test_zz_engine_crash_fails_inflight_then_recovers(live):
     """Runs last in the module (name): kills the engine with SIGKILL mid-stream."""
     engine = live.child("blink_appliance.engine_process")
