@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-GAMMA = 0x9E3779B97F4A7C15
+GAMMA = tl.constexpr(0x9E3779B97F4A7C15)  # engine/rng.py
 INT64_MAX = 2**63 - 1
 
 

@@ -1,0 +1,194 @@
+"""The GPU loop's commit step (one Triton program): append sampled tokens, publish them to the ring,
+apply the stop rules, publish terminal events, release finished slots and their KV blocks.
+
+State semantics are engine/device_state.py's; the wrapper is engine/device_commit.py; the
+publication protocol is docs/protocol.md ("Publication order", GPU paragraph).
+
+1. Sample rows r with sample_slot[r] = s >= 0 and slot s RUNNING: token t = sampled[r], output
+   index i = num_tokens[s] - prompt_len[s]; token_ids[s, num_tokens[s]] = t; num_tokens[s] += 1;
+   ring tokens[chan, i] = t, times[chan, i] = now. Stop rules in the reference engine's order (EOS
+   unless ignore_eos, stop ids -> STOP; max_tokens, max_model_len -> LENGTH). Publication: payload
+   (tokens, times; the status record of a finishing row), a barrier, then `count` (i + 1, | FINAL_BIT
+   when finishing) with a system-scope release exchange, a barrier, then `done` = generation the
+   same way for a finishing row. A row whose output index is past the channel's capacity publishes
+   no token and finishes LENGTH (the ring server's rule; admission keeps max_tokens within it).
+2. Slots in FINISHING (schedule's cancels, rejected records, shutdown): status (their finish_reason
+   / error_code, terminal_token 0), count = the channel's count | FINAL_BIT, done = generation.
+3. Every released slot (finished rows first, in row order, then FINISHING slots in slot order)
+   pushes its block table onto the free-list stack in reverse (engine/block_allocator.py's order:
+   the next pop hands the same ids back in the same order), clears its table to -1 and becomes FREE.
+4. Counters: generated_tokens, requests_finished (every terminal except finish_reason ERROR, i.e.
+   rejected records); num_active -= released; keep_running = (shutdown_seen == 0).
+
+Barriers order the program's own threads (a release by one thread after a CTA barrier covers the
+other threads' earlier stores: PTX release is cumulative). The clock is %globaltimer plus
+clock_offset_ns on the GPU; under the interpreter (no inline asm) it is host_clock_ns[0], the host
+monotonic clock the wrapper stores just before the launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Kernel constants (jit code may read globals only as constexpr); the wrapper checks them against
+# ring_layout / device_state.
+STATUS_BYTES = tl.constexpr(128)  # CHANNEL_STATUS.itemsize
+PROGRESS_BYTES = tl.constexpr(16)  # CHANNEL_PROGRESS.itemsize
+FREE = tl.constexpr(0)
+RUNNING = tl.constexpr(2)
+FINISHING = tl.constexpr(3)
+FINISH_STOP = tl.constexpr(1)
+FINISH_LENGTH = tl.constexpr(2)
+FINISH_ERROR = tl.constexpr(4)
+
+
+@triton.jit
+def _now(host_clock_ptr, clock_offset_ptr, DEVICE_CLOCK: tl.constexpr):
+    if DEVICE_CLOCK:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        return t + tl.load(clock_offset_ptr)
+    else:
+        return tl.load(host_clock_ptr)
+
+
+@triton.jit
+def _release_blocks(
+    slots, release, base, block_table_ptr, num_blocks_ptr, free_blocks_ptr,
+    MAX_BLOCKS: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Push the block tables of `slots` where `release` onto the free stack from position `base` on,
+    one slot after the other in lane order, each table in reverse; clear the tables. Returns the
+    number of blocks pushed."""
+    nb = tl.where(release, tl.load(num_blocks_ptr + slots, mask=release, other=0), 0)
+    start = base + tl.cumsum(nb, 0) - nb
+    cols = tl.arange(0, BLOCK_B)
+    for j0 in range(0, MAX_BLOCKS, BLOCK_B):
+        j = j0 + cols  # j-th pushed block = table[nb - 1 - j]
+        live = release[:, None] & (j[None, :] < nb[:, None])
+        entry = block_table_ptr + slots[:, None].to(tl.int64) * MAX_BLOCKS + (nb[:, None] - 1 - j[None, :])
+        block = tl.load(entry, mask=live, other=-1)
+        tl.store(free_blocks_ptr + start[:, None] + j[None, :], block, mask=live)
+        tl.store(entry, tl.full(block.shape, -1, tl.int32), mask=live)
+    tl.store(num_blocks_ptr + slots, tl.zeros_like(nb), mask=release)
+    return tl.sum(nb, 0)
+
+
+@triton.jit
+def _commit_kernel(
+    sample_slot_ptr, sampled_ptr,
+    slot_state_ptr, chan_ptr, generation_ptr, prompt_len_ptr, num_tokens_ptr, max_tokens_ptr,
+    ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr, block_table_ptr, num_blocks_ptr,
+    finish_reason_ptr, error_code_ptr,
+    free_blocks_ptr, free_top_ptr, num_active_ptr, shutdown_seen_ptr, keep_running_ptr,
+    clock_offset_ptr, host_clock_ptr, counters_ptr, eos_ptr,
+    ring64_ptr, ring32_ptr, tokens_at, times_at, prog_at, stat_at,
+    S, D, max_output_tokens, max_inflight,
+    MAX_STOP: tl.constexpr, BLOCK_STOP: tl.constexpr, MAX_EOS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+    MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+    GENERATED: tl.constexpr, FINISHED: tl.constexpr, DEVICE_CLOCK: tl.constexpr,
+):  # fmt: skip
+    now = _now(host_clock_ptr, clock_offset_ptr, DEVICE_CLOCK)
+    final_bit = tl.full([], 1, tl.int64) << 63
+
+    # -- 1. sampled rows -----------------------------------------------------------------------------
+    r = tl.arange(0, BLOCK_S)
+    s = tl.load(sample_slot_ptr + r, mask=r < S, other=-1)
+    row = (r < S) & (s >= 0)
+    s = tl.where(row, s, 0)
+    row = row & (tl.load(slot_state_ptr + s, mask=row, other=FREE) == RUNNING)
+    token = tl.load(sampled_ptr + r, mask=row, other=0).to(tl.int32)
+    n = tl.load(num_tokens_ptr + s, mask=row, other=0)
+    i = n - tl.load(prompt_len_ptr + s, mask=row, other=0)  # output index of this token
+    chan = tl.load(chan_ptr + s, mask=row, other=0)
+    row = row & (chan >= 0) & (chan < max_inflight)
+    chan = chan.to(tl.int64)
+    room = row & (i < max_output_tokens)
+    tl.store(token_ids_ptr + s.to(tl.int64) * MAX_MODEL_LEN + n, token, mask=room & (n < MAX_MODEL_LEN))
+    tl.store(num_tokens_ptr + s, n + 1, mask=room)
+
+    eos = tl.load(eos_ptr + tl.arange(0, MAX_EOS))  # -1 padded
+    is_eos = tl.max((token[:, None] == eos[None, :]).to(tl.int32), 1) != 0
+    n_stop = tl.load(n_stop_ptr + s, mask=row, other=0)
+    k = tl.arange(0, BLOCK_STOP)
+    listed = row[:, None] & (k[None, :] < n_stop[:, None]) & (k[None, :] < MAX_STOP)
+    stop_ids = tl.load(stop_ids_ptr + s[:, None] * MAX_STOP + k[None, :], mask=listed, other=-1)
+    is_stop = tl.max((token[:, None] == stop_ids).to(tl.int32), 1) != 0
+    ignore_eos = tl.load(ignore_eos_ptr + s, mask=row, other=0) != 0
+    stop = (is_eos & ~ignore_eos) | is_stop
+    length = (i + 1 >= tl.load(max_tokens_ptr + s, mask=row, other=0)) | (n + 1 >= MAX_MODEL_LEN)
+    reason = tl.where(stop, FINISH_STOP, tl.where(length, FINISH_LENGTH, 0))
+    reason = tl.where(room, reason, FINISH_LENGTH)  # out of channel capacity: finish without the token
+    finished = row & (reason != 0)
+
+    at = chan * max_output_tokens + i
+    tl.store(ring32_ptr + tokens_at + at, token, mask=room)
+    tl.store(ring64_ptr + times_at + at, tl.zeros_like(at) + now, mask=room)
+    stat64 = stat_at // 8 + chan * (STATUS_BYTES // 8)
+    stat32 = stat_at // 4 + chan * (STATUS_BYTES // 4)
+    tl.store(ring64_ptr + stat64, tl.zeros_like(at) + now, mask=finished)
+    tl.store(ring32_ptr + stat32 + 2, reason, mask=finished)
+    tl.store(ring32_ptr + stat32 + 3, tl.zeros_like(reason), mask=finished)
+    tl.store(ring32_ptr + stat32 + 4, room.to(tl.int32), mask=finished)
+    tl.debug_barrier()
+    prog = prog_at // 8 + chan * (PROGRESS_BYTES // 8)
+    count = tl.where(room, i + 1, i).to(tl.int64)
+    count = tl.where(finished, count | final_bit, count)
+    tl.atomic_xchg(ring64_ptr + prog, count, mask=row, sem="release", scope="sys")
+    tl.debug_barrier()
+    generation = tl.load(generation_ptr + s, mask=finished, other=0)
+    tl.atomic_xchg(ring64_ptr + prog + 1, generation, mask=finished, sem="release", scope="sys")
+
+    top = tl.load(free_top_ptr)
+    top += _release_blocks(
+        s, finished, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
+    )
+    tl.store(slot_state_ptr + s, tl.full([BLOCK_S], FREE, tl.int32), mask=finished)
+    generated = tl.sum(room.to(tl.int64), 0)
+    n_finished = tl.sum(finished.to(tl.int32), 0)
+    tl.debug_barrier()
+
+    # -- 2. FINISHING slots: terminal without a token ---------------------------------------------------
+    d = tl.arange(0, BLOCK_D)
+    closing = (d < D) & (tl.load(slot_state_ptr + d, mask=d < D, other=FREE) == FINISHING)
+    c = tl.load(chan_ptr + d, mask=closing, other=-1)
+    publish = closing & (c >= 0) & (c < max_inflight)
+    c = tl.where(publish, c, 0).to(tl.int64)
+    why = tl.load(finish_reason_ptr + d, mask=closing, other=0)
+    err = tl.load(error_code_ptr + d, mask=closing, other=0)
+    stat64 = stat_at // 8 + c * (STATUS_BYTES // 8)
+    stat32 = stat_at // 4 + c * (STATUS_BYTES // 4)
+    tl.store(ring64_ptr + stat64, tl.zeros_like(c) + now, mask=publish)
+    tl.store(ring32_ptr + stat32 + 2, why, mask=publish)
+    tl.store(ring32_ptr + stat32 + 3, err, mask=publish)
+    tl.store(ring32_ptr + stat32 + 4, tl.zeros_like(why), mask=publish)
+    prog = prog_at // 8 + c * (PROGRESS_BYTES // 8)
+    held = tl.load(ring64_ptr + prog, mask=publish, other=0, volatile=True)
+    tl.debug_barrier()
+    tl.atomic_xchg(ring64_ptr + prog, held | final_bit, mask=publish, sem="release", scope="sys")
+    tl.debug_barrier()
+    generation = tl.load(generation_ptr + d, mask=publish, other=0)
+    tl.atomic_xchg(ring64_ptr + prog + 1, generation, mask=publish, sem="release", scope="sys")
+
+    top += _release_blocks(
+        d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
+    )
+    tl.store(free_top_ptr, top)
+    tl.store(slot_state_ptr + d, tl.full([BLOCK_D], FREE, tl.int32), mask=closing)
+    tl.store(finish_reason_ptr + d, tl.zeros_like(why), mask=closing)
+    tl.store(error_code_ptr + d, tl.zeros_like(err), mask=closing)
+    n_closed = tl.sum(closing.to(tl.int32), 0)
+
+    # -- 3. counters and loop control ---------------------------------------------------------------------
+    counted = tl.sum((closing & (why != FINISH_ERROR)).to(tl.int64), 0) + n_finished
+    tl.store(counters_ptr + GENERATED, tl.load(counters_ptr + GENERATED) + generated)
+    tl.store(counters_ptr + FINISHED, tl.load(counters_ptr + FINISHED) + counted)
+    tl.store(num_active_ptr, tl.load(num_active_ptr) - n_finished - n_closed)
+    tl.store(keep_running_ptr, (tl.load(shutdown_seen_ptr) == 0).to(tl.int32))
+
+
+def launch_commit(args: tuple, constexprs: dict) -> None:
+    """Launch the one-program commit kernel (engine/device_commit.py builds `args` and `constexprs` once)."""
+    _commit_kernel[(1,)](*args, num_warps=4, **constexprs)
