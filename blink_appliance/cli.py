@@ -1,4 +1,4 @@
-"""`blink-appliance`: up, check, models pull|list, top."""
+"""`blink-appliance`: up, check, models pull|list, top, bench serve|interfere."""
 
 from __future__ import annotations
 
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="live dashboard of a running appliance")
     add_top_arguments(top)
     top.set_defaults(func=_cmd_top)
+
+    from blink_appliance.bench.commands import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
