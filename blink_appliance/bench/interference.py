@@ -8,9 +8,12 @@ the parent's threads or held locks come along):
 - syscall: two processes bouncing a byte over a socket pair; every round trip is a few blocking
   syscalls and two wake-ups: a storm of context switches and scheduler work.
 
-Every worker stops by itself at its deadline (CLOCK_MONOTONIC is one clock for all processes), as
-soon as its parent is gone (it watches getppid), and on SIGTERM or SIGINT (Ctrl-C reaches the
-whole foreground process group); then it reports the work it did over a pipe.
+Start-up is a handshake: each worker prepares (pins itself, allocates its buffers), says "ready"
+on its pipe and waits; once all are ready the parent sends them one deadline, so `start()`
+returns with the whole load on and the load lasts `duration_s` from then. Every worker stops by
+itself at that deadline (CLOCK_MONOTONIC is one clock for all processes), as soon as its parent
+is gone (it watches getppid), and on SIGTERM or SIGINT (Ctrl-C reaches the whole foreground
+process group); then it reports the work it did over the same pipe.
 This module imports only the standard library, so workers start in well under a second.
 """
 
@@ -29,6 +32,8 @@ KINDS = ("spin", "memory", "syscall")
 _SPIN_BATCH = 20_000  # loop iterations between stop checks (about a millisecond)
 _PING_BATCH = 100  # round trips between stop checks
 _STOP_GRACE_S = 3.0  # how long stop() waits for reports before it kills
+_START_TIMEOUT_S = 60.0  # a worker not ready by then (an overloaded host) fails start()
+_READY = "ready"
 
 _stop_requested = False
 
@@ -105,7 +110,7 @@ class _Worker:
     index: int
     cpu: int | None
     process: Any  # multiprocessing.process.BaseProcess
-    reports: Any  # the read end of its report pipe
+    channel: Any  # the parent's end of its pipe: "ready" and the report come in, the deadline goes out
     report: WorkerReport | None = None
 
 
@@ -130,10 +135,14 @@ def _spin(deadline: float, parent_pid: int, **_: Any) -> int:
     return ops
 
 
-def _memory(deadline: float, parent_pid: int, memory_mib: int, **_: Any) -> int:
+def _memory_buffers(memory_mib: int, **_: Any) -> dict[str, Any]:
     size = memory_mib * 2**20
-    a = bytearray(b"\x5a" * size)  # written, so every page is real memory, not the shared zero page
-    b = bytearray(size)
+    # Both written, so every page is real memory, not the shared zero page.
+    return {"a": bytearray(b"\x5a" * size), "b": bytearray(b"\xa5" * size)}
+
+
+def _memory(deadline: float, parent_pid: int, a: bytearray, b: bytearray, **_: Any) -> int:
+    size = len(a)
     copied = 0
     while not _should_stop(deadline, parent_pid):
         b[:] = a
@@ -170,17 +179,40 @@ def _pong(deadline: float, parent_pid: int, peer: Any, **_: Any) -> int:
 _WORK: dict[str, Callable[..., int]] = {"spin": _spin, "memory": _memory, "ping": _ping, "pong": _pong}
 
 
-def _worker_main(
-    role: str, cpu: int | None, deadline: float, parent_pid: int, report: Any, kwargs: dict[str, Any]
-) -> None:
+_PREPARE: dict[str, Callable[..., dict[str, Any]]] = {"memory": _memory_buffers}
+
+
+def _await_deadline(channel: Any, parent_pid: int) -> float | None:
+    """Block until the parent sends the deadline; None if it is gone or we are told to stop."""
+    give_up = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < give_up and not _stop_requested and os.getppid() == parent_pid:
+        try:
+            if channel.poll(0.1):
+                return float(channel.recv())
+        except (EOFError, OSError):
+            return None
+    return None
+
+
+def _worker_main(role: str, cpu: int | None, parent_pid: int, channel: Any, kwargs: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    prepare = _PREPARE.get(role)
+    if prepare is not None:
+        kwargs = {**kwargs, **prepare(**kwargs)}
+    try:
+        channel.send(_READY)
+    except OSError:
+        return
+    deadline = _await_deadline(channel, parent_pid)
+    if deadline is None:
+        return
     wall0, cpu0 = time.monotonic(), time.process_time()
     ops = _WORK[role](deadline, parent_pid, **kwargs)
     try:
-        report.send((time.monotonic() - wall0, time.process_time() - cpu0, ops))
+        channel.send((time.monotonic() - wall0, time.process_time() - cpu0, ops))
     except OSError:  # the parent is gone: nobody to tell
         pass
 
@@ -200,8 +232,6 @@ class Interference:
         if self._workers:
             raise RuntimeError("this interference has already started")
         ctx = multiprocessing.get_context("spawn")
-        self.started_at = time.monotonic()
-        deadline = self.started_at + self.spec.duration_s
         cpus = self.spec.cpus
         slot = 0
 
@@ -209,16 +239,16 @@ class Interference:
             nonlocal slot
             cpu = cpus[slot % len(cpus)] if cpus else None
             slot += 1
-            reader, writer = ctx.Pipe(duplex=False)
+            mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(role, cpu, deadline, os.getpid(), writer, kwargs),
+                args=(role, cpu, os.getpid(), theirs, kwargs),
                 name=f"blink-interfere-{role}-{index}",
                 daemon=True,  # ended at the parent's normal exit as well
             )
             proc.start()
-            writer.close()  # the worker holds its own copy; EOF here then means it died
-            self._workers.append(_Worker(kind, index, cpu, proc, reader))
+            theirs.close()  # the worker holds its own copy; EOF here then means it died
+            self._workers.append(_Worker(kind, index, cpu, proc, mine))
 
         try:
             for i in range(self.spec.spin):
@@ -232,9 +262,27 @@ class Interference:
                 # Only the two workers may hold the ends, or neither would ever see EOF.
                 ping_end.close()
                 pong_end.close()
+            self._await_ready()
+            self.started_at = time.monotonic()
+            deadline = self.started_at + self.spec.duration_s
+            for w in self._workers:
+                w.channel.send(deadline)
         except BaseException:
             self.stop()
             raise
+
+    def _await_ready(self) -> None:
+        give_up = time.monotonic() + _START_TIMEOUT_S
+        for w in self._workers:
+            left = give_up - time.monotonic()
+            try:
+                ready = w.channel.poll(max(0.0, left)) and w.channel.recv() == _READY
+            except (EOFError, OSError):
+                ready = False
+            if not ready:
+                code = w.process.exitcode
+                why = f"exited with {code}" if code is not None else f"not ready in {_START_TIMEOUT_S:g} s"
+                raise RuntimeError(f"interference worker {w.process.name} did not start: {why}")
 
     @property
     def pids(self) -> list[int]:
@@ -248,8 +296,8 @@ class Interference:
         if worker.report is not None:
             return
         try:
-            if worker.reports.poll():
-                seconds, cpu_seconds, ops = worker.reports.recv()
+            if worker.channel.poll():
+                seconds, cpu_seconds, ops = worker.channel.recv()
                 worker.report = WorkerReport(
                     worker.kind, worker.index, worker.process.pid, worker.cpu, seconds, cpu_seconds, ops
                 )
