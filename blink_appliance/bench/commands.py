@@ -160,6 +160,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         request_timeout_s=args.request_timeout,
     )
+    if args.client_cpus is not None and args.interfere is not None and args.interfere_cpus is None:
+        # Its processes would inherit this process's pinning and load the client's own cores.
+        raise ValueError("--client-cpus with --interfere needs --interfere-cpus (cores away from the client)")
     if args.client_cpus is not None:
         pin_client(args.client_cpus)
     interference = None
