@@ -192,3 +192,8 @@ def _commit_kernel(
 def launch_commit(args: tuple, constexprs: dict) -> None:
     """Launch the one-program commit kernel (engine/device_commit.py builds `args` and `constexprs` once)."""
     _commit_kernel[(1,)](*args, num_warps=4, **constexprs)
+
+
+def compile_commit(args: tuple, constexprs: dict) -> None:
+    """Compile without launching (Triton's warmup), so a later graph capture only records the launch."""
+    _commit_kernel.warmup(*args, grid=(1,), num_warps=4, **constexprs)

@@ -126,3 +126,9 @@ class DeviceCommit:
         if not self.device_clock:
             self.host_clock_ns.fill_(time.monotonic_ns())
         kernel.launch_commit(self._args, self._constexprs)
+
+    def compile(self) -> None:
+        """Compile the kernel for these arguments without running it (before a graph capture). Nothing
+        to do where the kernel is interpreted."""
+        if self.device_clock:
+            kernel.compile_commit(self._args, self._constexprs)
