@@ -315,3 +315,156 @@ def test_idle_loop_wakes_on_a_host_write_and_stops_on_shutdown(ring, control):
     assert time.monotonic() - t0 < 1.0
     assert int(iterations.item()) == 2  # one for the record, one to see shutdown
     loop.close()
+
+
+# -- GPU: the real engine iteration (LoopStep) inside the DeviceLoop ---------------------------------
+LOOP_RING = dict(
+    request_slots=8, arena_tokens=1024, max_prompt_tokens=64, max_inflight=8, max_output_tokens=32
+)
+LOOP_ENGINE = dict(
+    block_size=4, num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48
+)
+# (name, submitted after the first request's n-th token (0: at once), prompt length, max_tokens)
+LOOP_WORKLOAD = [
+    ("short", 0, 5, 12),
+    ("chunked", 0, 21, 8),  # more than one step's token budget: prefilled in chunks
+    ("single", 0, 3, 1),
+    ("late", 2, 9, 10),  # arrives while the others decode
+    ("later", 4, 14, 6),
+]
+
+
+def _loop_prompt(i: int, length: int) -> list[int]:
+    return [(i * 37 + j * 11) % 500 + 3 for j in range(length)]
+
+
+def _loop_geometry(max_stop_ids: int):
+    from blink_appliance.engine.device_state import LoopGeometry
+
+    return LoopGeometry(
+        num_slots=6, buckets=(4, 16), max_stop_ids=max_stop_ids, vocab_size=512, eos_token_ids=(2,),
+        **{k: LOOP_ENGINE[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len")},
+    )  # fmt: skip
+
+
+def _serve_workload(host_steps: bool) -> dict[str, list[int]]:
+    """Build LoopStep on the GPU over a mapped shm ring; serve LOOP_WORKLOAD through EngineClient either
+    with the DeviceLoop launched once, or with host_step() calls; the greedy streams by name."""
+    import asyncio
+    import os
+
+    from blink_appliance.engine.device_loop import DeviceLoop
+    from blink_appliance.engine.loop_control import LoopControl
+    from blink_appliance.engine.loop_step import LoopStep
+    from blink_appliance.engine.request import FinishReason, SamplingParams
+    from blink_appliance.model.gpu_forward import GpuWeights
+    from blink_appliance.model.loaders import load_checkpoint
+    from blink_appliance.transport.engine_client import EngineClient
+    from blink_appliance.transport.mapped_region import MappedRegion, RingWords
+    from blink_appliance.transport.region import RingRegion
+    from blink_appliance.transport.ring_layout import EngineState, RingGeometry, RingLayout, region_size
+    from blink_appliance.transport.shm_transport import ShmTransport
+
+    ring_geometry = RingGeometry(**LOOP_RING)
+    ckpt = load_checkpoint("dummy:tiny", seed=0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    transport = ShmTransport.create(f"blink-test-engine-loop-{os.getpid()}", region_size(ring_geometry))
+    region = RingRegion.create(transport, ring_geometry)
+    mapped = MappedRegion.of_transport(transport, device)
+    words = RingWords.of(mapped)
+    loop = None
+    try:
+        step = LoopStep.build(
+            ckpt.config, GpuWeights.from_hf(ckpt.config, ckpt.weights, torch.float32, device),
+            mapped.tensor(0, torch.uint8, mapped.size), RingLayout.of(ring_geometry),
+            _loop_geometry(ring_geometry.max_stop_ids), device, torch.float32, engine_seed=7,
+        )  # fmt: skip
+        step.warmup()
+        if not host_steps:
+            loop = DeviceLoop(
+                step.body(), num_active=step.state.num_active, keep_running=step.state.keep_running,
+                ring=words, control=LoopControl(device),
+            )  # fmt: skip
+        region.store("engine_heartbeat_ns", time.monotonic_ns())
+        region.store("engine_state", EngineState.RUNNING)
+        if loop is not None:
+            loop.launch()
+
+        async def serve() -> dict[str, list]:
+            client = EngineClient.attach(transport, ring_geometry, dead_after_s=600.0)
+            await client.start()
+            streams: dict[str, list] = {}
+            tasks = []
+
+            async def collect(rid: int, into: list) -> None:
+                async for event in client.stream(rid):
+                    into.append(event)
+
+            def submit(name: str, length: int, max_tokens: int) -> None:
+                i = [w[0] for w in LOOP_WORKLOAD].index(name)
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                streams[name] = []
+                rid = client.submit(_loop_prompt(i, length), params)
+                tasks.append(asyncio.create_task(collect(rid, streams[name])))
+
+            pending = list(LOOP_WORKLOAD)
+            deadline = time.monotonic() + 60
+            while pending or not all(t.done() for t in tasks):
+                assert time.monotonic() < deadline, f"workload not done: {streams}"
+                region.store("engine_heartbeat_ns", time.monotonic_ns())  # the engine host thread's job
+                first = len(streams.get(LOOP_WORKLOAD[0][0], []))
+                for w in [w for w in pending if w[1] <= first]:
+                    submit(w[0], w[2], w[3])
+                    pending.remove(w)
+                if host_steps:
+                    step.host_step()
+                if loop is not None:
+                    assert loop.running(), "the device loop ended early"
+                await asyncio.sleep(0.0002)
+            await client.close()
+            return streams
+
+        streams = asyncio.run(serve())
+        if loop is not None:
+            t0 = time.monotonic()
+            loop.stop(timeout_s=1.0)
+            assert time.monotonic() - t0 < 1.0
+        for name, events in streams.items():
+            assert sum(e.finished for e in events) == 1 and events[-1].finish_reason is FinishReason.LENGTH, (
+                name
+            )
+        assert int(step.state.num_active.item()) == 0
+        assert int(step.state.free_top.item()) == LOOP_ENGINE["num_kv_blocks"]  # every block came back
+        return {name: [e.token_id for e in ev if e.token_id is not None] for name, ev in streams.items()}
+    finally:
+        if loop is not None:
+            words.request_shutdown()
+            if not loop.join(timeout_s=5.0):  # leave the mapping alone: the loop may still read it
+                raise RuntimeError("the device loop did not stop; not unmapping the ring under it")
+            loop.close()
+        torch.cuda.synchronize()
+        mapped.close()
+        transport.close()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("blink_appliance.engine.loop_step") is None, reason="LoopStep not present"
+)
+def test_engine_loop_greedy_streams_equal_host_steps_and_the_reference_engine():
+    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
+    from blink_appliance.engine.request import Request, SamplingParams
+    from blink_appliance.model.loaders import build_model, load_checkpoint
+
+    model = build_model(load_checkpoint("dummy:tiny", seed=0), torch.float32, "cpu")
+    reference = {}
+    for i, (name, _, length, max_tokens) in enumerate(LOOP_WORKLOAD):
+        engine = LLMEngine(model, EngineConfig(seed=0, **LOOP_ENGINE))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        reference[name] = engine.generate([Request(0, _loop_prompt(i, length), params)])[0]
+
+    in_loop = _serve_workload(host_steps=False)
+    by_host = _serve_workload(host_steps=True)
+    assert in_loop == reference, f"device loop {in_loop} vs reference {reference}"
+    assert by_host == reference, f"host steps {by_host} vs reference {reference}"
