@@ -100,16 +100,19 @@ def test_random_token_prompts_at_two_rates(live, tmp_path):
     assert fixed[1]["scheduled_s"] - fixed[0]["scheduled_s"] == pytest.approx(0.25, abs=0.1)
 
 
-def test_chat_endpoint(live, tmp_path):
+def test_chat_endpoint_under_interference(live, tmp_path):
     code, doc = _serve(
         live,
         tmp_path,
         *("--endpoint", "/v1/chat/completions", "--num-prompts", "2", "--input-len", "6-10"),
-        *("--output-len", "2", "--save-detailed"),
+        *("--output-len", "2", "--save-detailed", "--interfere", "spin=1,syscall=1"),
     )
     assert code == 0
     (run,) = doc["runs"]
     assert run["metrics"]["completed"] == 2
+    # The interference ran during the measured run and did work.
+    assert doc["config"]["interference"]["spin"] == 1
+    assert {w["kind"] for w in run["interference"] if w["ops"] > 0} == {"spin", "syscall"}
     for r in run["requests"]:
         assert r["completion_tokens"] == 2
         # the chat template wraps the message: the server counts more than the content's tokens

@@ -20,7 +20,6 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,12 +233,7 @@ async def send_one(
     return record
 
 
-async def run_load(
-    requests: list[BenchRequest],
-    config: LoadConfig,
-    *,
-    on_done: Callable[[RequestRecord], None] | None = None,
-) -> LoadRun:
+async def run_load(requests: list[BenchRequest], config: LoadConfig) -> LoadRun:
     """Send `requests` on the configured schedule and return every request's record."""
     import aiohttp
 
@@ -266,8 +260,6 @@ async def run_load(
             else:
                 async with slots:
                     await send_one(session, config, req, record, t0)
-            if on_done is not None:
-                on_done(record)
             return record
 
         records = await asyncio.gather(
