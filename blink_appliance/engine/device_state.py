@@ -196,5 +196,6 @@ COUNTERS: tuple[str, ...] = (
     "requests_finished",
     "requests_cancelled",
     "step_tokens",  # sum of step_num_tokens (batch size histogram lives on the host side)
+    "records_unaddressable",  # ring records with no channel the loop may answer on (counted, skipped)
 )
 COUNTER_INDEX = {name: i for i, name in enumerate(COUNTERS)}
