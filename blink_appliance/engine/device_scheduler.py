@@ -1,0 +1,149 @@
+"""DeviceScheduler: the GPU loop's schedule step (kernels/schedule.py) bound to its tensors once.
+
+Built at boot from the loop's geometry and state, the mapped ring region and the forward's static
+inputs; `launch()` then enqueues one program on the current stream. Everything it needs is bound at
+construction (pointers, sizes, the bucket table, a scratch buffer), so a launch does no host sync, no
+allocation and nothing that depends on host-visible values: it can be captured in a CUDA graph and
+replayed by the device loop. docs/device_loop.md ("schedule") says what one launch does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from blink_appliance.engine.device_state import COUNTERS, DeviceState, LoopGeometry
+from blink_appliance.kernels.schedule import _REQUEST_FIELDS, schedule_kernel
+from blink_appliance.model.gpu_forward import StepInputs
+from blink_appliance.transport.ring_layout import RingLayout
+
+RECORDS_PER_LAUNCH = 16  # request records one launch admits at most (more wait for the next one)
+PROMPT_TILE = 1024  # prompt tokens copied per load of the ring's arena
+TOKEN_TILE = 64  # forward rows written per tile
+BLOCK_TILE = 4  # KV blocks moved per slot per tile (pushes and pops)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+class DeviceScheduler:
+    """The schedule step of the device loop; `launch()` is what the loop's graph captures."""
+
+    def __init__(
+        self,
+        geometry: LoopGeometry,
+        state: DeviceState,
+        ring: torch.Tensor,
+        layout: RingLayout,
+        inputs: StepInputs,
+        engine_seed: int,
+        *,
+        num_warps: int = 4,
+    ) -> None:
+        geometry.validate()
+        g, rg = geometry, layout.geometry
+        device = state.slot_state.device
+        self._check(g, state, ring, layout, inputs, engine_seed, device)
+        self.geometry = geometry
+        self.num_warps = num_warps
+        self.buckets = torch.tensor(g.buckets, dtype=torch.int32, device=device)
+        block_d, block_s = _pow2(g.num_slots), _pow2(g.max_num_seqs)
+        # [0, block_d): running slots compacted; [block_d, +block_s): the same in run order.
+        self.scratch = torch.zeros(block_d + block_s, dtype=torch.int32, device=device)
+        s = state
+        self._args = (
+            ring,
+            s.slot_state, s.chan, s.generation, s.request_id, s.priority, s.arrival, s.run_order,
+            s.prompt_len, s.num_tokens, s.num_computed, s.max_tokens, s.temperature, s.top_p,
+            s.top_k, s.min_p, s.seed, s.ignore_eos, s.n_stop, s.stop_ids, s.token_ids,
+            s.block_table, s.num_blocks, s.finish_reason, s.error_code,
+            s.free_blocks, s.free_top, s.step_slot, s.step_chunk, s.sample_slot, s.step_num_tokens,
+            s.bucket_index, s.sampler_index, s.row_temperature, s.row_top_k, s.row_top_p, s.row_min_p,
+            s.row_seed, s.row_output_index, s.num_active, s.shutdown_seen, s.next_arrival,
+            s.next_run_order, s.counters,
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start,
+            inputs.context_lens, inputs.block_tables, inputs.sample_rows,
+            self.buckets, self.scratch, engine_seed,
+        )  # fmt: skip
+        # Inline PTX (acquire/release on the ring) only where the kernel is compiled for a GPU.
+        ring_asm = device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        self._constants = dict(
+            D=g.num_slots, S=g.max_num_seqs, MAX_BATCHED=g.max_num_batched_tokens,
+            NUM_BUCKETS=len(g.buckets), BS=g.block_size, MAXB=g.max_blocks_per_seq,
+            MAX_MODEL_LEN=g.max_model_len, VOCAB=g.vocab_size, NUM_COUNTERS=len(COUNTERS),
+            REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
+            MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
+            OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,
+            OFF_CTL=layout.chan_ctl, OFF_PROG=layout.chan_prog,
+            BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_S1=_pow2(g.max_num_seqs + 1),
+            BLOCK_R=min(RECORDS_PER_LAUNCH, _pow2(g.num_slots)), BLOCK_STOP=_pow2(rg.max_stop_ids),
+            BLOCK_J=BLOCK_TILE, BLOCK_P=min(PROMPT_TILE, _pow2(rg.max_prompt_tokens)),
+            BLOCK_T=min(TOKEN_TILE, _pow2(g.max_num_batched_tokens)), BLOCK_C=min(64, _pow2(g.max_blocks_per_seq)),
+            BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)), RING_ASM=ring_asm,
+        )  # fmt: skip
+
+    @staticmethod
+    def _check(
+        g: LoopGeometry,
+        state: DeviceState,
+        ring: torch.Tensor,
+        layout: RingLayout,
+        inputs: StepInputs,
+        engine_seed: int,
+        device: torch.device,
+    ) -> None:
+        rg = layout.geometry
+        if not 0 <= engine_seed < 2**63:
+            raise ValueError(f"engine_seed must be in [0, 2**63), got {engine_seed}")
+        if ring.dtype != torch.uint8 or ring.dim() != 1 or ring.numel() < layout.size:
+            raise ValueError(
+                f"ring must be a flat uint8 tensor over the whole region ({layout.size} bytes), "
+                f"got {ring.dtype} {tuple(ring.shape)}"
+            )
+        if ring.device != device:
+            raise ValueError(f"ring is on {ring.device}, the loop state on {device} (map the region there)")
+        for name, offset in _REQUEST_FIELDS.items():
+            if layout.request.fields[name][1] != offset:
+                raise ValueError(
+                    f"request record field {name} moved (kernels/schedule.py reads it at {offset})"
+                )
+        if rg.max_stop_ids != g.max_stop_ids:
+            raise ValueError(
+                f"ring max_stop_ids ({rg.max_stop_ids}) differs from the loop's ({g.max_stop_ids})"
+            )
+        if g.max_model_len > 2**24 or g.num_slots * g.max_model_len >= 2**31:
+            raise ValueError("token_ids is indexed in int32: num_slots * max_model_len must stay below 2**31")
+        want = {
+            "slot_state": (g.num_slots,),
+            "token_ids": (g.num_slots, g.max_model_len),
+            "block_table": (g.num_slots, g.max_blocks_per_seq),
+            "stop_ids": (g.num_slots, g.max_stop_ids),
+            "free_blocks": (g.num_kv_blocks,),
+            "step_slot": (g.max_num_seqs,),
+            "counters": (len(COUNTERS),),
+        }
+        for name, shape in want.items():
+            t = getattr(state, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"DeviceState.{name} has shape {tuple(t.shape)}, expected {shape}")
+        for name, t in state.tensors().items():
+            if t.device != device or not t.is_contiguous():
+                raise ValueError(f"DeviceState.{name} must be contiguous on {device}")
+        if inputs.input_ids.numel() < g.max_num_batched_tokens:
+            raise ValueError("StepInputs hold fewer token rows than the largest bucket")
+        if tuple(inputs.block_tables.shape) != (g.max_num_seqs, g.max_blocks_per_seq):
+            raise ValueError(
+                f"StepInputs.block_tables is {tuple(inputs.block_tables.shape)}, expected "
+                f"{(g.max_num_seqs, g.max_blocks_per_seq)} (max_seqs, max_blocks_per_seq)"
+            )
+        if inputs.query_start.numel() != g.max_num_seqs + 1 or inputs.sample_rows.numel() != g.max_num_seqs:
+            raise ValueError("StepInputs are not sized for max_num_seqs")
+        if inputs.input_ids.device != device:
+            raise ValueError(f"StepInputs are on {inputs.input_ids.device}, the loop state on {device}")
+
+    def launch(self) -> None:
+        """Enqueue one schedule step on the current stream (no sync, no allocation: capturable)."""
+        schedule_kernel[(1,)](*self._args, **self._constants, num_warps=self.num_warps)
