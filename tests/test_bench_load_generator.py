@@ -104,7 +104,7 @@ async def test_chunk_timestamps_give_ttft_itl_and_usage():
         assert r.usage_reported and r.completion_tokens == 4 and r.prompt_tokens == 7
         assert len(r.chunk_times_s) == 4 and r.finish_reason == "length"
         assert r.ttft_s >= PAUSE_S * 0.9
-        assert all(PAUSE_S * 0.9 <= gap < PAUSE_S * 5 for gap in r.itls_s)
+        assert all(PAUSE_S * 0.9 <= gap < 1.0 for gap in r.itls_s)  # (a busy runner may add delay)
         assert r.e2e_s >= r.ttft_s + 3 * PAUSE_S * 0.9
         assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 3)
     m = compute_metrics(run)
@@ -139,9 +139,10 @@ async def test_concurrency_cap_holds_requests_at_the_client():
         await server.close()
     assert all(r.ok for r in run.records)
     assert script.max_inflight == 2
-    # Released at once (rate inf) but sent as slots freed: later requests start later.
-    assert max(r.scheduled_s for r in run.records) < PAUSE_S
-    assert max(r.start_s for r in run.records) > 2 * PAUSE_S
+    # Released at once (rate inf) but sent as slots freed: the last ones waited two rounds.
+    last_start = max(r.start_s for r in run.records)
+    assert last_start > 2 * 2 * PAUSE_S
+    assert max(r.scheduled_s for r in run.records) < last_start - 2 * PAUSE_S
 
 
 async def test_fixed_rate_releases_on_schedule():
@@ -156,7 +157,7 @@ async def test_fixed_rate_releases_on_schedule():
         await server.close()
     starts = [r.start_s for r in run.records]
     for i, s in enumerate(starts):
-        assert s == pytest.approx(i * 0.1, abs=0.05)
+        assert i * 0.1 - 0.005 <= s < i * 0.1 + 0.15, starts  # never early; late only by loop delay
     assert run.duration_s >= 0.3
 
 

@@ -7,7 +7,8 @@ Reads the counters before and after a run with the telemetry samplers the applia
   given pids, or found from the URL: the process listening on its port and its children, and when
   that is a blink-appliance front end, its daemon and all the daemon's children (the engine).
   A server on another machine, or a process that exits mid-run, makes the figure unavailable with
-  the reason, never a wrong number. Also the whole machine's CPU use over the run.
+  the reason, never a wrong number. Also the whole machine's CPU use over the run, and this load
+  generator's own (near a full core, its timestamps carry its own delays).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class RunCost:
     server_cpu_s: float | None
     server_cpu_unavailable: str | None
     machine_cpu_percent: float | None  # all cores together, 0-100, over the run
+    client_cpu_percent: float  # this process (the load generator); 100 = one core
     output_tokens: int
 
     @property
@@ -132,6 +134,8 @@ class RunMeter:
         self._energy0: float | None = None
         self._cpu0: float | None = None
         self._alive0: set[int] = set()
+        self._client = psutil.Process()
+        self._client_cpu0 = 0.0
 
     def start(self) -> None:
         if self._gpu is not None:
@@ -140,7 +144,12 @@ class RunMeter:
         # This sample also resets the sampler's per-core deltas, so finish() covers the run only.
         self._cpu0 = self._host.sample().appliance_cpu_seconds
         self._alive0 = {p for p in self.server.pids if psutil.pid_exists(p)}
+        self._client_cpu0 = self._client_cpu_s()
         self._t0 = time.monotonic()
+
+    def _client_cpu_s(self) -> float:
+        t = self._client.cpu_times()
+        return t.user + t.system
 
     def _gpu_result(self) -> tuple[str | None, float | None, str | None]:
         if self._gpu is None:
@@ -166,6 +175,7 @@ class RunMeter:
 
     def finish(self, output_tokens: int) -> RunCost:
         wall = time.monotonic() - self._t0
+        client_cpu = self._client_cpu_s() - self._client_cpu0
         host = self._host.sample()
         gpu_name, energy, gpu_reason = self._gpu_result()
         cpu_s, cpu_reason = self._cpu_result(host.appliance_cpu_seconds)
@@ -179,5 +189,6 @@ class RunMeter:
             server_cpu_s=cpu_s,
             server_cpu_unavailable=cpu_reason,
             machine_cpu_percent=host.cpu_percent_total,
+            client_cpu_percent=client_cpu / wall * 100.0 if wall > 0 else 0.0,
             output_tokens=output_tokens,
         )

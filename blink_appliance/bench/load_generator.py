@@ -220,14 +220,9 @@ async def send_one(
         record.ok = True
     except asyncio.CancelledError:
         raise
-    except (
-        aiohttp.ClientError,
-        asyncio.TimeoutError,
-        json.JSONDecodeError,
-        UnicodeDecodeError,
-        OSError,
-    ) as e:
-        record.error = f"{type(e).__name__}: {e}"[:300] or type(e).__name__
+    # ValueError: bad JSON, bad UTF-8, or a line longer than aiohttp's reader takes.
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
+        record.error = f"{type(e).__name__}: {e}"[:300]
     finally:
         record.end_s = clock() - t0
     return record

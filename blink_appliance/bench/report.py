@@ -17,6 +17,7 @@ from blink_appliance.bench.load_generator import RequestRecord
 from blink_appliance.bench.serve import RateRun, ServeResult
 
 RESULT_VERSION = 1
+CLIENT_BUSY_PERCENT = 80.0  # above this, the client is a suspect in the latencies
 
 
 def _rate(rate: float) -> float | str:
@@ -156,6 +157,11 @@ def format_table(result: ServeResult) -> str:
             )
     for run in result.runs:
         m = run.metrics
+        if run.cost.client_cpu_percent > CLIENT_BUSY_PERCENT:
+            notes.append(
+                f"rate {_rate(run.rate)}: this load generator used {run.cost.client_cpu_percent:.0f}% of a "
+                "core; its latencies include its own delays (fewer requests in flight, or a faster core)"
+            )
         if m.failure_reasons:
             reason, count = next(iter(m.failure_reasons.items()))
             notes.append(f"rate {_rate(run.rate)}: {m.failed} failed; most often ({count}x): {reason}")
