@@ -238,7 +238,25 @@ def schedule_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     st = tl.load(slot_state_ptr + offs_d, mask=md, other=_FREE)
     nb_d = tl.load(num_blocks_ptr + offs_d, mask=md, other=0)
+    ch_d = tl.load(chan_ptr + offs_d, mask=md, other=-1)
+    gen_d = tl.load(generation_ptr + offs_d, mask=md, other=0)
     top = tl.load(free_top_ptr)
+
+    # Every read of the ring a step needs, issued up front so that their bus round trips overlap
+    # (about two in all: the control words and cancel words, then the records at req_tail).
+    shutdown = tl.load(ring_i64 + _OFF_SHUTDOWN // 8, volatile=True)
+    tail = tl.load(ring_i64 + _OFF_REQ_TAIL // 8, volatile=True)
+    arena_tail = tl.load(ring_i64 + _OFF_ARENA_TAIL // 8, volatile=True)
+    live = md & ((st == _WAITING) | (st == _RUNNING))
+    addressable = live & (ch_d >= 0) & (ch_d < MAX_INFLIGHT)
+    cancel_word = tl.load(
+        ring_i64 + (OFF_CTL + ch_d.to(tl.int64) * _CTL_BYTES + _CTL_CANCEL) // 8,
+        mask=addressable, other=0, volatile=True,
+    )  # fmt: skip
+    offs_r = tl.arange(0, BLOCK_R)
+    position = tail + offs_r
+    rec = OFF_RECORDS + (position % REQ_SLOTS) * REC_BYTES
+    seq_word = _load_acquire(ring_i64 + rec // 8, RING_ASM)
 
     # What the step ends up with (the shutdown branch leaves them empty).
     nseq = tl.full([], 0, tl.int32)  # sequences in the batch
@@ -251,11 +269,9 @@ def schedule_kernel(
     n_cancelled = tl.full([], 0, tl.int32)
     n_unaddressable = tl.full([], 0, tl.int32)
 
-    shutdown = tl.load(ring_i64 + (_OFF_SHUTDOWN) // 8, volatile=True)
     if shutdown != 0:
         # 1. Shutdown: every live slot ends with ABORT / SHUTDOWN; nothing is admitted or scheduled.
         # Records still in the ring stay there for the host to drain once the loop has ended.
-        live = md & (st != _FREE) & (st != _FINISHING)
         top = _release_slots(live, nb_d, top, offs_d, block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)
         tl.store(slot_state_ptr + offs_d, tl.full([BLOCK_D], _FINISHING, tl.int32), mask=live)
         tl.store(finish_reason_ptr + offs_d, tl.full([BLOCK_D], _ABORT, tl.int32), mask=live)
@@ -264,16 +280,8 @@ def schedule_kernel(
         tl.store(shutdown_seen_ptr, 1)
     else:
         # 2. Cancels: a live slot whose channel's cancel word equals its generation.
-        live = md & ((st == _WAITING) | (st == _RUNNING))
-        ch_d = tl.load(chan_ptr + offs_d, mask=md, other=-1)
-        gen_d = tl.load(generation_ptr + offs_d, mask=md, other=0)
-        addressable = live & (ch_d >= 0) & (ch_d < MAX_INFLIGHT)
-        cancel_word = tl.load(
-            ring_i64 + (OFF_CTL + ch_d.to(tl.int64) * _CTL_BYTES + _CTL_CANCEL) // 8,
-            mask=addressable, other=0, volatile=True,
-        )  # fmt: skip
         cancelled = addressable & (cancel_word == gen_d)
-        n_cancelled = tl.sum((cancelled).to(tl.int32), 0)
+        n_cancelled = tl.sum(cancelled.to(tl.int32), 0)
         if n_cancelled > 0:
             top = _release_slots(
                 cancelled, nb_d, top, offs_d, block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J
@@ -285,16 +293,10 @@ def schedule_kernel(
             st = tl.where(cancelled, _FINISHING, st)
 
         # 3. Records from the ring: the published run starting at req_tail, at most one per free slot.
-        tail = tl.load(ring_i64 + (_OFF_REQ_TAIL) // 8, volatile=True)
-        arena_tail = tl.load(ring_i64 + (_OFF_ARENA_TAIL) // 8, volatile=True)
-        offs_r = tl.arange(0, BLOCK_R)
-        position = tail + offs_r
-        rec = OFF_RECORDS + (position % REQ_SLOTS) * REC_BYTES
-        seq_word = _load_acquire(ring_i64 + (rec) // 8, RING_ASM)
         unpublished = (seq_word != position + 1).to(tl.int32)
         published = tl.sum((tl.cumsum(unpublished, 0) == 0).to(tl.int32), 0)
         free_d = md & (st == _FREE)
-        n_records = tl.minimum(published, tl.sum((free_d).to(tl.int32), 0))
+        n_records = tl.minimum(published, tl.sum(free_d.to(tl.int32), 0))
         if n_records > 0:
             tl.debug_barrier()  # every thread's reads below come after some thread's acquire of seq
             tk = offs_r < n_records
@@ -314,7 +316,7 @@ def schedule_kernel(
             r_has_seed = tl.load(ring_u32 + (rec + _F_HAS_SEED) // 4, volatile=True).to(tl.int64)
             r_ignore_eos = tl.load(ring_u32 + (rec + _F_IGNORE_EOS) // 4, volatile=True).to(tl.int64)
             r_n_stop = tl.load(ring_u32 + (rec + _F_N_STOP) // 4, volatile=True).to(tl.int64)
-            arena_head = tl.load(ring_i64 + (_OFF_ARENA_HEAD) // 8, volatile=True)
+            arena_head = tl.load(ring_i64 + _OFF_ARENA_HEAD // 8, volatile=True)
             on_chan = tk & (r_chan < MAX_INFLIGHT)
             c_gen = tl.load(
                 ring_i64 + (OFF_CTL + r_chan * _CTL_BYTES + _CTL_GENERATION) // 8,
@@ -420,9 +422,9 @@ def schedule_kernel(
             adm_r = took & (r_outcome == 0)
             cancelled_r = took & (r_outcome == _CANCELLED)
             rejected_r = took & (r_outcome > 0) & (r_outcome != _CANCELLED)
-            n_admitted = tl.sum((adm_r).to(tl.int32), 0)
-            n_rejected = tl.sum((rejected_r).to(tl.int32), 0)
-            n_cancelled += tl.sum((cancelled_r).to(tl.int32), 0)
+            n_admitted = tl.sum(adm_r.to(tl.int32), 0)
+            n_rejected = tl.sum(rejected_r.to(tl.int32), 0)
+            n_cancelled += tl.sum(cancelled_r.to(tl.int32), 0)
             n_unaddressable = tl.sum((tk & (r_outcome == _UNADDRESSABLE)).to(tl.int32), 0)
             next_arrival = tl.load(next_arrival_ptr)
             sl = tl.where(took, r_slot, 0)
@@ -463,13 +465,13 @@ def schedule_kernel(
             tl.store(next_arrival_ptr, next_arrival + n_admitted)
             # All reads of the records and their prompts are done (barrier); then hand the space back.
             tl.debug_barrier()
-            _store_release(ring_i64 + (_OFF_REQ_TAIL) // 8, tail + n_records, RING_ASM)
-            _store_release(ring_i64 + (_OFF_ARENA_TAIL) // 8, arena_tail, RING_ASM)
+            _store_release(ring_i64 + _OFF_REQ_TAIL // 8, tail + n_records, RING_ASM)
+            _store_release(ring_i64 + _OFF_ARENA_TAIL // 8, arena_tail, RING_ASM)
             st = tl.load(slot_state_ptr + offs_d, mask=md, other=_FREE)
 
         # 4a. Running slots in run order: compact them (slot order), rank by run_order, reorder.
         running = md & (st == _RUNNING)
-        m = tl.sum((running).to(tl.int32), 0)
+        m = tl.sum(running.to(tl.int32), 0)
         tl.store(
             scratch_ptr + (tl.cumsum(running.to(tl.int32), 0) - running.to(tl.int32)), offs_d, mask=running
         )
@@ -501,7 +503,7 @@ def schedule_kernel(
             act = (offs_s >= i0) & (offs_s <= hi)
             dec = act & (rem_k == 1)
             pref = act & (rem_k != 1)
-            prefill_budget = budget - tl.sum((dec).to(tl.int32), 0)
+            prefill_budget = budget - tl.sum(dec.to(tl.int32), 0)
             prem = tl.where(pref, rem_k, 0)
             n = tl.where(
                 dec,
@@ -565,9 +567,9 @@ def schedule_kernel(
         qs_k = tl.cumsum(n_k, 0) - n_k
         samples_k = sched_k & (ncomp_k + n_k == ntok_k)
         row_k = tl.cumsum(samples_k.to(tl.int32), 0) - samples_k.to(tl.int32)
-        nseq = tl.sum((sched_k).to(tl.int32), 0)
+        nseq = tl.sum(sched_k.to(tl.int32), 0)
         ntot = tl.sum(n_k, 0)
-        nsamp = tl.sum((samples_k).to(tl.int32), 0)
+        nsamp = tl.sum(samples_k.to(tl.int32), 0)
         tl.store(step_slot_ptr + bi_k, ks, mask=sched_k)
         tl.store(step_chunk_ptr + bi_k, n_k, mask=sched_k)
         tl.store(query_start_ptr + bi_k, qs_k, mask=sched_k)
@@ -592,7 +594,7 @@ def schedule_kernel(
         adm_row = tl.full([BLOCK_D], -1, tl.int32)
         n_new = tl.full([], 0, tl.int32)
         popped = tl.full([], 0, tl.int32)
-        go = (n_preempted == 0) & (m < S) & (budget > 0) & (tl.sum((waiting).to(tl.int32), 0) > 0)
+        go = (n_preempted == 0) & (m < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
         while go:
             w_pri = tl.min(tl.where(waiting, pri_d, _INT32_MAX), 0)
             w_cand = waiting & (pri_d == w_pri)
@@ -618,7 +620,7 @@ def schedule_kernel(
             nsamp += w_samples.to(tl.int32)
             n_new += f
             waiting = waiting & ~w_take
-            go = w_fits & (m + n_new < S) & (budget > 0) & (tl.sum((waiting).to(tl.int32), 0) > 0)
+            go = w_fits & (m + n_new < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
         adm = adm_rank >= 0
         _pop_blocks(adm, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
                     block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
@@ -691,20 +693,25 @@ def schedule_kernel(
             tl.store(positions_ptr + t, tl.where(in_step, pos, 0).to(tl.int64), mask=in_bucket)
             mapping = tl.where(in_step, block.to(tl.int64) * BS + pos % BS, -1)
             tl.store(slot_mapping_ptr + t, mapping, mask=in_bucket)
-        rows = tl.load(step_slot_ptr + offs_s, mask=offs_s < nseq, other=0)
-        for c0 in range(0, MAXB, BLOCK_C):
+        # Block tables: the batch's rows, -1 elsewhere. Only the columns that can hold a block id now
+        # or did after the last forward step are written (scratch keeps that width; every column
+        # beyond it is -1 already), so the cost follows the longest context, not max_model_len.
+        in_batch = offs_s < nseq
+        rows = tl.load(step_slot_ptr + offs_s, mask=in_batch, other=0)
+        width = tl.max(tl.load(num_blocks_ptr + rows, mask=in_batch, other=0), 0)
+        columns = tl.maximum(width, tl.load(scratch_ptr + BLOCK_D + BLOCK_S))
+        for c0 in range(0, columns, BLOCK_C):
             col = c0 + tl.arange(0, BLOCK_C)
-            cm = col[None, :] < MAXB
+            cm = col[None, :] < columns
             table = tl.load(
-                block_table_ptr + rows[:, None] * MAXB + col[None, :],
-                mask=(offs_s < nseq)[:, None] & cm,
-                other=-1,
+                block_table_ptr + rows[:, None] * MAXB + col[None, :], mask=in_batch[:, None] & cm, other=-1
             )
             tl.store(
                 block_tables_ptr + offs_s[:, None] * MAXB + col[None, :],
                 table,
                 mask=(offs_s < S)[:, None] & cm,
             )
+        tl.store(scratch_ptr + BLOCK_D + BLOCK_S, width)
 
     # 7. Counters, active slots.
     offs_c = tl.arange(0, BLOCK_NC)

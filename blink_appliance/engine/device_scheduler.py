@@ -51,8 +51,10 @@ class DeviceScheduler:
         self.num_warps = num_warps
         self.buckets = torch.tensor(g.buckets, dtype=torch.int32, device=device)
         block_d, block_s = _pow2(g.num_slots), _pow2(g.max_num_seqs)
-        # [0, block_d): running slots compacted; [block_d, +block_s): the same in run order.
-        self.scratch = torch.zeros(block_d + block_s, dtype=torch.int32, device=device)
+        # [0, block_d): running slots compacted; [block_d, +block_s): the same in run order;
+        # [block_d + block_s]: block-table columns the last forward step wrote (the first writes all).
+        self.scratch = torch.zeros(block_d + block_s + 1, dtype=torch.int32, device=device)
+        self.scratch[-1] = g.max_blocks_per_seq
         s = state
         self._args = (
             ring,
@@ -143,6 +145,10 @@ class DeviceScheduler:
             raise ValueError("StepInputs are not sized for max_num_seqs")
         if inputs.input_ids.device != device:
             raise ValueError(f"StepInputs are on {inputs.input_ids.device}, the loop state on {device}")
+
+    def compile(self) -> None:
+        """Compile the kernel for these arguments without running it (it would consume the ring)."""
+        schedule_kernel.warmup(*self._args, grid=(1,), **self._constants, num_warps=self.num_warps)
 
     def launch(self) -> None:
         """Enqueue one schedule step on the current stream (no sync, no allocation: capturable)."""
