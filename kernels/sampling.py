@@ -111,6 +111,31 @@ def race(
 
 
 @triton.jit
+def _masked_lse_kernel(x_ptr, x_stride, row_max_ptr, threshold_ptr, lse_ptr, V, BLOCK: tl.constexpr,
+                       PRECISE: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0)
+    row = x_ptr + r.to(tl.int64) * x_stride
+    hi = tl.load(row_max_ptr + r)
+    threshold = tl.load(threshold_ptr + r)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf"))
+        total += tl.where(x >= threshold, _exp(x - hi, PRECISE), 0.0)
+    tl.store(lse_ptr + r, hi + _log(tl.sum(total, 0), PRECISE))
+
+
+def masked_logsumexp(
+    x: torch.Tensor, row_max: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor, precise: bool
+) -> None:
+    """out[r] = logsumexp of x[r] over x >= threshold[r] (row_max[r] = max of x[r]): one read of x."""
+    rows, vocab = x.shape
+    block = min(2048, triton.next_power_of_2(vocab))
+    _masked_lse_kernel[(rows,)](x, x.stride(0), row_max, threshold, out, vocab, BLOCK=block, PRECISE=precise,
+                                num_warps=8)  # fmt: skip
+
+
+@triton.jit
 def _key(x):
     """float32 -> int32 whose signed order is the float order (negative floats: magnitude bits flipped)."""
     b = x.to(tl.int32, bitcast=True)

@@ -175,11 +175,7 @@ class LoopStep:
 
     def sample(self) -> None:
         """Run the variant schedule chose (0 greedy, 1 full; other values: none, as the SWITCH)."""
-        index = int(self.state.sampler_index[0])
-        if index == 0:
-            self.sample_greedy()
-        elif index == 1:
-            self.sample_full()
+        self.sampler.run()
 
     def host_step(self) -> None:
         """One loop iteration driven by the host: schedule, forward, sample, commit, then wait for it."""
