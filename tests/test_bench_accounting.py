@@ -52,6 +52,7 @@ def test_cpu_seconds_of_the_given_processes():
     assert cost.server_cpu_s_per_1k_tokens == cost.server_cpu_s / 600 * 1000
     assert cost.server_cpu_unavailable is None and cost.wall_s >= 0.25
     assert 0 < cost.machine_cpu_percent <= 100
+    assert cost.client_cpu_percent > 50  # the burn ran in this process, the load generator's
     # Either an energy figure or the reason there is none (no NVML, no GPU), never both.
     assert (cost.gpu_energy_j is None) == (cost.gpu_unavailable is not None)
     assert (cost.joules_per_output_token is None) == (cost.gpu_energy_j is None)
