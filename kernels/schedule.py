@@ -324,16 +324,12 @@ def schedule_kernel(
             )  # fmt: skip
             c_cancel = tl.load(
                 ring_i64 + (OFF_CTL + r_chan * _CTL_BYTES + _CTL_CANCEL) // 8,
-                mask=on_chan,
-                other=0,
-                volatile=True,
-            )
+                mask=on_chan, other=0, volatile=True,
+            )  # fmt: skip
             p_done = tl.load(
                 ring_i64 + (OFF_PROG + r_chan * _PROG_BYTES + _PROG_DONE) // 8,
-                mask=on_chan,
-                other=0,
-                volatile=True,
-            )
+                mask=on_chan, other=0, volatile=True,
+            )  # fmt: skip
             # Checks that need nothing but the record, in engine_server's order. The ones that depend
             # on earlier records (channel in use, duplicate id, arena_tail, prompt tokens) come below.
             local = tl.where(
@@ -351,9 +347,13 @@ def schedule_kernel(
                 volatile=True,
             )
             stop_bad = tl.sum((stop_m & ((stop_ids < 0) | (stop_ids >= VOCAB))).to(tl.int32), 1) > 0
+            inf = float("inf")
+            finite = (
+                (r_temp == r_temp) & (tl.abs(r_temp) < inf) & (r_top_p == r_top_p) & (tl.abs(r_top_p) < inf)
+                & (r_min_p == r_min_p) & (tl.abs(r_min_p) < inf)
+            )  # fmt: skip
             params_bad = (
-                (r_has_seed > 1) | (r_ignore_eos > 1)
-                | ~(((r_temp) == (r_temp)) & (tl.abs(r_temp) < float("inf"))) | ~(((r_top_p) == (r_top_p)) & (tl.abs(r_top_p) < float("inf"))) | ~(((r_min_p) == (r_min_p)) & (tl.abs(r_min_p) < float("inf")))
+                (r_has_seed > 1) | (r_ignore_eos > 1) | ~finite
                 | ~(r_temp >= 0.0) | ~((r_top_p > 0.0) & (r_top_p <= 1.0)) | (r_top_k < 0)
                 | ~((r_min_p >= 0.0) & (r_min_p <= 1.0)) | ((r_has_seed == 1) & (r_seed < 0))
             )  # fmt: skip
@@ -471,10 +471,9 @@ def schedule_kernel(
 
         # 4a. Running slots in run order: compact them (slot order), rank by run_order, reorder.
         running = md & (st == _RUNNING)
-        m = tl.sum(running.to(tl.int32), 0)
-        tl.store(
-            scratch_ptr + (tl.cumsum(running.to(tl.int32), 0) - running.to(tl.int32)), offs_d, mask=running
-        )
+        running_i = running.to(tl.int32)
+        m = tl.sum(running_i, 0)
+        tl.store(scratch_ptr + tl.cumsum(running_i, 0) - running_i, offs_d, mask=running)
         tl.debug_barrier()
         ms = offs_s < m
         compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
@@ -505,12 +504,9 @@ def schedule_kernel(
             pref = act & (rem_k != 1)
             prefill_budget = budget - tl.sum(dec.to(tl.int32), 0)
             prem = tl.where(pref, rem_k, 0)
+            wanted_before = tl.cumsum(prem, 0) - prem  # by the round's earlier prefills
             n = tl.where(
-                dec,
-                1,
-                tl.where(
-                    pref, tl.minimum(tl.maximum(prefill_budget - (tl.cumsum(prem, 0) - prem), 0), rem_k), 0
-                ),
+                dec, 1, tl.where(pref, tl.minimum(tl.maximum(prefill_budget - wanted_before, 0), rem_k), 0)
             )
             need = tl.where(n > 0, (ncomp_k + n + BS - 1) // BS - nb_k, 0)
             cum_need = tl.cumsum(need, 0)
