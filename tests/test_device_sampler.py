@@ -177,3 +177,56 @@ def test_larger_vocab_matches_reference():
     index = list(range(rows))
     got = run_device(logits, params, index)
     assert torch.equal(got, reference(logits, params, index))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (times the sampler at Llama-3 size)"
+)
+def test_cost_at_llama3_vocab_and_64_rows(capsys):
+    """V = 128256, S = 64: both variants captured in CUDA graphs and timed; the full variant equals the
+    reference on the same logits. Prints a table (run with -s)."""
+    gen = torch.Generator().manual_seed(21)
+    rows, vocab = 64, 128256
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    params = random_params(gen, rows, vocab)
+    index = list(range(rows))
+    state = make_state(rows, vocab)
+    load_rows(state, params, index)
+    buf = logits.to(DEVICE)
+    sampler = DeviceSampler(state, buf)
+    timings = {}
+    for name, fn in (("greedy", sampler.greedy), ("full", sampler.full)):
+        fn()  # compile, warm
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        timings[name] = start.elapsed_time(end) / 20 * 1000
+    assert torch.equal(state.sampled.cpu(), reference(logits, params, index))  # the last replay: full
+    # A batch where every random row is plain top-p 0.95 at temperature 1 over flat logits: the nuclei
+    # exceed the candidates, so every row takes the exact-cut path (its worst case).
+    flat = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in range(rows)]
+    load_rows(state, flat, index)
+    buf.copy_(torch.randn(rows, vocab, generator=gen).mul_(0.5))
+    sampler.full()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    sampler.full()
+    end.record()
+    torch.cuda.synchronize()
+    timings["full, every row exact-cut"] = start.elapsed_time(end) * 1000
+    assert torch.equal(state.sampled.cpu(), reference(buf.cpu(), flat, index))
+    with capsys.disabled():
+        print(f"\nDeviceSampler at V={vocab}, S={rows} ({torch.cuda.get_device_name()}):")
+        for name, us in timings.items():
+            print(f"  {name:28s} {us:9.1f} us")
