@@ -14,6 +14,7 @@ then committed by the test with the reference's sampled tokens (what commit will
 from __future__ import annotations
 
 import inspect
+import mmap
 import os
 import re
 import subprocess
@@ -71,10 +72,11 @@ LOOP = LoopGeometry(
 
 
 class MemoryTransport(Transport):
-    """A region in a bytearray (one process): the same offsets and ordering as shared memory."""
+    """A region in anonymous memory (one process; page aligned, so it can be registered with CUDA):
+    the same offsets and ordering as shared memory."""
 
     def __init__(self, size: int) -> None:
-        self.buffer = bytearray(size)
+        self.buffer = mmap.mmap(-1, size)
         self._u64 = np.frombuffer(self.buffer, dtype="<u8")
 
     @property
@@ -225,7 +227,9 @@ def tiny_model():
 class Twin:
     """The reference engine and the device scheduler, fed the same ring traffic, stepped together."""
 
-    def __init__(self, loop: LoopGeometry = LOOP, *, check_slot_is_channel: bool = True) -> None:
+    def __init__(
+        self, loop: LoopGeometry = LOOP, *, check_slot_is_channel: bool = True, cuda_graph: bool = False
+    ) -> None:
         layout = RingLayout.of(RING)
         self.loop = loop
         self.ref_transport, self.dev_transport = MemoryTransport(layout.size), MemoryTransport(layout.size)
@@ -250,8 +254,20 @@ class Twin:
         self.inputs = StepInputs.allocate(
             loop.max_num_batched_tokens, loop.max_num_seqs, loop.max_blocks_per_seq, DEVICE
         )
-        ring = torch.frombuffer(self.dev_transport.buffer, dtype=torch.uint8)
+        if DEVICE == "cuda":  # the ring as the loop sees it: host memory mapped into the GPU
+            from blink_appliance.transport.mapped_region import MappedRegion
+
+            self.mapped = MappedRegion(self.dev_transport.buffer, DEVICE)
+            ring = self.mapped.tensor(0, torch.uint8, layout.size)
+        else:
+            ring = torch.frombuffer(self.dev_transport.buffer, dtype=torch.uint8)
         self.scheduler = DeviceScheduler(loop, self.state, ring, layout, self.inputs, ENGINE_SEED)
+        self.graph = None
+        if cuda_graph:  # launch() recorded once, replayed every iteration
+            self.scheduler.compile()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.scheduler.launch()
         self.check_slot_is_channel = check_slot_is_channel
         self.stats = Stats()
 
@@ -284,7 +300,7 @@ class Twin:
         done_before = self.ref_region.progress_table()["done"].copy()
         running_before = len(self.engine.scheduler.running)
         preemptions_before = self.engine.scheduler.num_preemptions
-        self.scheduler.launch()
+        self.launch()
         ref, events = self._reference_iteration()
         self._compare_step(ref)
         finished_ref = {}
@@ -302,6 +318,14 @@ class Twin:
         if running_before and any(c.start == 0 for c in ref.chunks[running_before:]):
             self.stats.admitted_while_running += 1
         return ref
+
+    def launch(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.scheduler.launch()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # the test reads the mapped ring from the host next
 
     def run_until_idle(self, max_iterations: int = 200) -> None:
         for _ in range(max_iterations):
@@ -449,10 +473,9 @@ def prompt(n: int, salt: int) -> list[int]:
 
 
 # -- tests ----------------------------------------------------------------------------------------------
-def test_mixed_workload_matches_reference_step_by_step():
+def mixed_workload(t: Twin) -> None:
     """Different prompt lengths and priorities, seeded and unseeded sampling, arrivals while decoding,
     a cancel, and a KV cache small enough that running requests get preempted."""
-    t = Twin()
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     t.front.submit(prompt(10, 1), greedy)
     t.front.submit(prompt(5, 2), SamplingParams(temperature=0.8, top_k=20, seed=99, max_tokens=5))
@@ -485,6 +508,17 @@ def test_mixed_workload_matches_reference_step_by_step():
         counters[COUNTER_INDEX["steps"]] == st.steps and counters[COUNTER_INDEX["step_tokens"]] == st.tokens
     )
     assert counters[COUNTER_INDEX["loop_iterations"]] == st.iterations > st.steps
+
+
+def test_mixed_workload_matches_reference_step_by_step():
+    mixed_workload(Twin())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (captures the launch in a graph)")
+def test_mixed_workload_replayed_from_a_cuda_graph():
+    """launch() captured once and replayed: it reads nothing on the host and allocates nothing."""
+    mixed_workload(Twin(cuda_graph=True))
 
 
 def test_priority_beats_arrival_but_never_preempts():
@@ -582,7 +616,7 @@ def test_shutdown_finishes_everything_and_returns_every_block():
     t.front.shutdown()
     tail = t.dev_region.load("req_tail")
     queued = t.front.submit(prompt(3, 9))  # after the shutdown word: left in the ring for the host
-    t.scheduler.launch()
+    t.launch()
     s = t.state
     live = [i for i in range(LOOP.num_slots) if int(s.slot_state[i]) != SlotState.FREE]
     assert live and all(int(s.slot_state[i]) == SlotState.FINISHING for i in live)
@@ -612,13 +646,13 @@ def test_records_beyond_free_slots_wait_in_the_ring():
     t = Twin(loop, check_slot_is_channel=False)
     for i in range(6):
         t.front.submit(prompt(3, i))
-    t.scheduler.launch()
+    t.launch()
     assert t.dev_region.load("req_tail") == 4  # one record per free slot
     assert int(t.state.counters[COUNTER_INDEX["requests_admitted"]]) == 4
     assert int(t.state.num_active) == 4
     t._free(0)
     t._free(3)
-    t.scheduler.launch()
+    t.launch()
     assert t.dev_region.load("req_tail") == 6
     assert sorted(t.state.request_id.tolist()) == [2, 3, 5, 6]
 
