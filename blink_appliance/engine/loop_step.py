@@ -25,7 +25,6 @@ from blink_appliance.engine.device_loop import Segment, engine_body
 from blink_appliance.engine.device_sampler import DeviceSampler
 from blink_appliance.engine.device_scheduler import DeviceScheduler
 from blink_appliance.engine.device_state import DeviceState, LoopGeometry
-from blink_appliance.kernels.schedule import schedule_kernel
 from blink_appliance.model.config import ModelConfig
 from blink_appliance.model.gpu_forward import GpuForward, GpuWeights, StepInputs
 from blink_appliance.model.kv_cache import PagedKVCache
@@ -191,9 +190,7 @@ class LoopStep:
         ring: the schedule and commit kernels are compiled only (running them would admit records and
         publish), the sampler (which writes nothing but `sampled`) runs. Nothing to compile on the CPU."""
         if self.state.keep_running.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            # DeviceScheduler has no compile-only entry point yet: Triton's warmup over its bound launch.
-            s = self.scheduler
-            schedule_kernel.warmup(*s._args, grid=(1,), num_warps=s.num_warps, **s._constants)  # noqa: SLF001
+            self.scheduler.compile()
         self.committer.compile()
         self.sampler.greedy()
         self.sampler.full()
