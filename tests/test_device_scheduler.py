@@ -60,13 +60,13 @@ RING = RingGeometry(
     request_slots=8,
     arena_tokens=512,
     max_prompt_tokens=48,
-    max_inflight=8,
+    max_inflight=6,
     max_output_tokens=12,
     max_stop_ids=4,
 )
 # 10 blocks of 4 tokens: a few requests already exhaust the KV cache, so preemption is routine.
 LOOP = LoopGeometry(
-    num_slots=8, max_num_seqs=4, max_num_batched_tokens=16, buckets=(4, 8, 16), block_size=4,
+    num_slots=6, max_num_seqs=3, max_num_batched_tokens=16, buckets=(4, 8, 16), block_size=4,
     num_kv_blocks=10, max_model_len=32, max_stop_ids=4, vocab_size=512, eos_token_ids=(2,),
 )  # fmt: skip
 
@@ -215,6 +215,18 @@ class Stats:
 
 
 _MODEL = None
+_MAPPED: list = []  # mapped ring buffers of this test's twins
+
+
+@pytest.fixture(autouse=True)
+def _unmap_rings():
+    """Unregister every ring a test mapped: a buffer freed while still registered leaves its address
+    range registered, and the next test's buffer at that address would fail to register."""
+    yield
+    if _MAPPED:
+        torch.cuda.synchronize()
+    while _MAPPED:
+        _MAPPED.pop().close()
 
 
 def tiny_model():
@@ -258,6 +270,7 @@ class Twin:
             from blink_appliance.transport.mapped_region import MappedRegion
 
             self.mapped = MappedRegion(self.dev_transport.buffer, DEVICE)
+            _MAPPED.append(self.mapped)
             ring = self.mapped.tensor(0, torch.uint8, layout.size)
         else:
             ring = torch.frombuffer(self.dev_transport.buffer, dtype=torch.uint8)
