@@ -15,7 +15,7 @@ import torch
 import triton
 
 from blink_appliance.engine.device_state import COUNTERS, DeviceState, LoopGeometry
-from blink_appliance.kernels.schedule import _REQUEST_FIELDS, schedule_kernel
+from blink_appliance.kernels.schedule import REQUEST_FIELD_OFFSETS, schedule_kernel
 from blink_appliance.model.gpu_forward import StepInputs
 from blink_appliance.transport.ring_layout import RingLayout
 
@@ -107,7 +107,7 @@ class DeviceScheduler:
             )
         if ring.device != device:
             raise ValueError(f"ring is on {ring.device}, the loop state on {device} (map the region there)")
-        for name, offset in _REQUEST_FIELDS.items():
+        for name, offset in REQUEST_FIELD_OFFSETS.items():
             if layout.request.fields[name][1] != offset:
                 raise ValueError(
                     f"request record field {name} moved (kernels/schedule.py reads it at {offset})"
