@@ -1,4 +1,6 @@
-"""The engine process: profile -> load the model -> LLMEngine -> EngineServer on the shared rings.
+"""The engine process: profile -> load the model -> the engine on the shared rings: the CPU
+reference engine (LLMEngine under EngineServer) for engine.mode "reference", the GPU loop
+(LoopStep under LoopEngineServer) for "loop" and "host".
 
 Started by the daemon (`python -m blink_appliance.engine_process PROFILE`) after it created the
 shared region. It serves until SIGTERM (or the region's shutdown word), then aborts what is in
@@ -9,6 +11,7 @@ and only the daemon decides how the appliance drains.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -62,10 +65,8 @@ def serve(profile: Profile, stop: threading.Event) -> None:
 
     m = profile.model
     if profile.uses_loop:
-        raise ProfileError(
-            f"engine.mode: {profile.engine_mode!r}: the GPU loop's engine server is not built yet "
-            "(use device 'cpu' with the reference engine)"
-        )
+        serve_loop(profile, stop)
+        return
     pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus")
     t0 = _stage(f"loading {m.model_source}")
     ckpt = load_checkpoint(m.model_source, seed=m.seed)
@@ -92,6 +93,47 @@ def serve(profile: Profile, stop: threading.Event) -> None:
         server.run(stop)
     finally:
         transport.close()
+
+
+def serve_loop(profile: Profile, stop: threading.Event) -> None:
+    """The GPU loop (engine.mode "loop" or "host"): build it, serve until stopped, release it."""
+    m = profile.model
+    if m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # On the CPU the loop's Triton kernels can only run in the interpreter; nothing imported
+        # them yet in this fresh process, so the setting still takes effect.
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("[engine] device cpu: the loop's kernels run under the Triton interpreter", file=sys.stderr)
+    from blink_appliance.engine.loop_engine_server import build_loop_server
+    from blink_appliance.model.loaders import load_checkpoint
+    from blink_appliance.transport.shm_transport import ShmTransport
+
+    pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus")
+    t0 = _stage(f"loading {m.model_source}")
+    ckpt = load_checkpoint(m.model_source, seed=m.seed)
+    plan = resolve_plan(m, ckpt.config)
+    _done(t0)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    transport = ShmTransport.open(profile.appliance.shm_name)
+    try:
+        t0 = _stage(
+            f"building the loop (engine.mode {profile.engine_mode!r} on {m.device}: weights, KV cache, "
+            "kernels, graphs)"
+        )
+        server = build_loop_server(profile, ckpt, plan, transport)
+        del ckpt  # the host copy of the weights; the device holds its own
+        _done(t0)
+        print(f"[engine] serving on the rings ({profile.engine_mode} mode)", file=sys.stderr, flush=True)
+        try:
+            server.run(stop)
+        finally:
+            server.close()
+            del server
+            gc.collect()  # views of the shared region must go before it is unmapped
+    finally:
+        try:
+            transport.close()
+        except BufferError:  # a view is still alive (an exception's frames hold it): exit unmaps
+            log.warning("the ring region is still referenced; it is unmapped at exit")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,17 @@ tokens equal to the CPU reference engine) is tested further down.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import threading
 import time
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # the loop's kernels run on the CPU under the interpreter
 
 from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState
 from blink_appliance.engine.loop_engine_server import LoopEngineServer, LoopSnapshot, telemetry_values
@@ -33,6 +40,19 @@ GEOMETRY = LoopGeometry(
     vocab_size=512,
     eos_token_ids=(2,),
 )
+
+
+@contextlib.contextmanager
+def shm_region_named(name: str, geometry):
+    from blink_appliance.transport.ring_layout import region_size
+    from blink_appliance.transport.shm_transport import ShmTransport
+
+    transport = ShmTransport.create(name, region_size(geometry))
+    try:
+        RingRegion.create(transport, geometry)
+        yield transport
+    finally:
+        transport.close()
 
 
 def _state() -> DeviceState:
@@ -308,3 +328,194 @@ def test_a_lost_front_end_gets_its_requests_cancelled_through_the_ring():
         stop.set()
         thread.join(5)
         assert not errors, errors
+
+
+# -- the served path: the real loop (LoopStep) in mode "host" under the Triton interpreter -----------
+def _tiny_profile(**engine):
+    from blink_appliance.profile import parse_profile
+
+    return parse_profile(
+        {
+            "appliance": {"shm_name": "unused"},
+            "models": [
+                {
+                    "name": "tiny", "source": "dummy:tiny", "dtype": "float32", "device": "cpu",
+                    "max_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16, "block_size": 4,
+                    "kv_budget_gib": 0.001, "max_output_tokens": 24,
+                }
+            ],
+            "engine": {"mode": "host", **engine},
+            "frontend": {"max_inflight": 8},
+        }
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def served_tiny_loop(**engine):
+    """The tiny model behind the loop in mode "host" on a fresh region, run in a thread."""
+    from blink_appliance.engine.loop_engine_server import build_loop_server
+    from blink_appliance.model.loaders import load_checkpoint
+    from blink_appliance.profile import resolve_plan, ring_geometry
+
+    profile = _tiny_profile(**engine)
+    ckpt = load_checkpoint("dummy:tiny", seed=0)
+    plan = resolve_plan(profile.model, ckpt.config)
+    ring = ring_geometry(profile)
+    with shm_region(ring) as transport:
+        server = build_loop_server(profile, ckpt, plan, transport, heartbeat_interval_s=0.02)
+        stop = threading.Event()
+        thread, errors = _serve(server, stop)
+        try:
+            yield server, transport, ring, ckpt, plan, stop
+        finally:
+            stop.set()
+            thread.join(60)
+            assert not thread.is_alive(), "loop server did not stop"
+            assert not errors, errors
+            server.close()
+
+
+def _reference_streams(ckpt, plan, requests):
+    """Greedy token streams of the CPU reference engine for (request_id, prompt, params)."""
+    import torch
+
+    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
+    from blink_appliance.engine.request import Request
+    from blink_appliance.model.loaders import build_model
+
+    model = build_model(ckpt, torch.float32, "cpu")
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            block_size=plan.block_size, num_kv_blocks=plan.num_kv_blocks, max_num_seqs=plan.max_seqs,
+            max_num_batched_tokens=plan.max_num_batched_tokens, max_model_len=plan.max_model_len,
+        ),
+    )  # fmt: skip
+    for rid, prompt, params in requests:
+        engine.add_request(Request(rid, prompt, params))
+    out: dict[int, list] = {rid: [] for rid, _, _ in requests}
+    while engine.has_unfinished():
+        for e in engine.step():
+            out[e.request_id].append((e.token_id, e.finish_reason))
+    return out
+
+
+async def _collect(client, rid):
+    return [e async for e in client.stream(rid)]
+
+
+async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_cancel_and_shutdown_work():
+    from blink_appliance.engine.request import SamplingParams
+    from blink_appliance.transport.engine_client import EngineClient
+
+    with served_tiny_loop() as (server, transport, ring, ckpt, plan, stop):
+        client = EngineClient.attach(transport, ring)
+        await client.start()
+        await _wait_async(lambda: client.engine_alive, "the loop server did not come up")
+
+        # Greedy requests of different lengths, together: three for two sequences per step, so one
+        # waits in a slot; the longest prompt is prefilled in chunks of the 16-token budget.
+        prompts = [[5, 17, 33, 2, 9, 100, 7], [44, 3, 8], list(range(10, 30))]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=4),
+            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=2),
+        ]
+        ids = [client.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        got = await asyncio.gather(*(_collect(client, rid) for rid in ids))
+        want = _reference_streams(ckpt, plan, list(zip(ids, prompts, params, strict=True)))
+        for rid, events in zip(ids, got, strict=True):
+            assert [(e.token_id, e.finish_reason) for e in events] == want[rid], (rid, events)
+            assert all(e.error is None for e in events)
+            stamps = [e.timestamp_ns for e in events if e.token_id is not None]
+            assert stamps == sorted(stamps) and 0 < stamps[0] <= time.monotonic_ns()  # host clock
+
+        # Cancel one while it decodes.
+        rid = client.submit([7, 7, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        stream = client.stream(rid)
+        first = await stream.__anext__()
+        assert first.token_id is not None
+        client.cancel(rid)
+        rest = [e async for e in stream]
+        assert rest[-1].finish_reason is FinishReason.ABORT and rest[-1].error is None
+        assert len(rest) < 20
+
+        # Shutdown with a request in flight: exactly one terminal, ABORT + shutdown.
+        live = client.stream(client.submit([3, 1, 4], SamplingParams(max_tokens=20, ignore_eos=True)))
+        await live.__anext__()
+        stop.set()
+        events = [e async for e in live]
+        assert [e.finish_reason for e in events if e.finish_reason is not None] == [FinishReason.ABORT]
+        assert events[-1].finish_reason is FinishReason.ABORT and "shutdown" in events[-1].error
+        await _wait_async(lambda: server.report.state == EngineState.STOPPED, "server did not stop")
+        assert server.report.left_open == 0  # the loop itself published every terminal
+        telemetry = client.telemetry()
+        assert telemetry["requests_admitted"] == 5 and telemetry["requests_cancelled"] >= 1
+        assert telemetry["generated_tokens"] >= sum(len(w) for w in want.values())
+        await client.close()
+
+
+async def _wait_async(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigterm(tmp_path):
+    """What `up` starts for a loop profile: its own process, on a region this test creates."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from blink_appliance.engine.request import SamplingParams
+    from blink_appliance.profile import load_profile, ring_geometry
+    from blink_appliance.transport.engine_client import EngineClient
+    from tests.test_ring_support import unique_name
+
+    name = unique_name()
+    path = tmp_path / "loop.toml"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            [appliance]
+            shm_name = "{name}"
+            [[models]]
+            name = "tiny"
+            source = "dummy:tiny"
+            device = "cpu"
+            max_seqs = 2
+            max_model_len = 32
+            max_num_batched_tokens = 16
+            block_size = 4
+            kv_budget_gib = 0.001
+            [engine]
+            mode = "host"
+            [frontend]
+            max_inflight = 4
+            """
+        )
+    )
+    ring = ring_geometry(load_profile(path))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the process sets it itself
+    with shm_region_named(name, ring) as transport:
+        proc = subprocess.Popen([sys.executable, "-m", "blink_appliance.engine_process", str(path)], env=env)
+        try:
+            client = EngineClient.attach(transport, ring)
+            await client.start()
+            await _wait_async(lambda: client.engine_alive, "the engine process did not come up", timeout=120)
+            live = client.stream(client.submit([1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))
+            first = await live.__anext__()
+            assert first.token_id is not None and first.finish_reason is None
+            proc.send_signal(signal.SIGTERM)
+            rest = [e async for e in live]
+            assert rest[-1].finish_reason is FinishReason.ABORT and "shutdown" in rest[-1].error
+            assert len(rest) < 19
+            assert proc.wait(30) == 0
+            assert transport.load_u64(208) == EngineState.STOPPED  # engine_state
+            await client.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -23,11 +23,13 @@ loop held with engine_failure; queued records stay for the next epoch.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -44,6 +46,11 @@ from blink_appliance.transport.engine_lifecycle import (
 from blink_appliance.transport.region import RingRegion
 from blink_appliance.transport.ring_layout import TELEMETRY_FIELDS, EngineState, ErrorCode
 
+if TYPE_CHECKING:
+    from blink_appliance.model.loaders import Checkpoint
+    from blink_appliance.profile import ModelPlan, Profile
+    from blink_appliance.transport.shm_transport import ShmTransport
+
 log = logging.getLogger(__name__)
 
 LoopMode = Literal["loop", "host"]
@@ -55,6 +62,10 @@ class DeviceLoopLike(Protocol):
     def launch(self) -> None: ...
     def running(self) -> bool: ...  # raises on a CUDA error of the loop
     def join(self, timeout_s: float | None = None) -> bool: ...
+    def close(self) -> None: ...
+
+
+class Closeable(Protocol):
     def close(self) -> None: ...
 
 
@@ -127,6 +138,7 @@ class LoopEngineServer:
         idle_sleep_s: float = 0.0005,
         frontend_timeout_s: float = 5.0,
         stop_timeout_s: float = 5.0,
+        owned: Sequence[Closeable] = (),
     ) -> None:
         if mode == "loop" and device_loop is None:
             raise ValueError("mode 'loop' needs the built DeviceLoop")
@@ -148,6 +160,8 @@ class LoopEngineServer:
         self.stop_timeout_s = stop_timeout_s
         self.snapshot = LoopSnapshot(state)
         self.report = StopReport()
+        self._owned = list(owned)  # closed by close(), last first (e.g. the mapped ring after the loop)
+        self.step: object | None = None  # the LoopStep, when built here: kept alive with the server
         self._telemetry_at = 0
         self._last_step_ns = 0
         self._fe_heartbeat = 0
@@ -178,6 +192,26 @@ class LoopEngineServer:
         finally:
             heartbeat.stop()
             withdraw_shutdown_request(self.region)
+
+    def close(self) -> None:
+        """Release what the server owns (the loop's graph, the ring's GPU mapping) once the loop
+        has ended; after a failure that left the loop running, leave them to process exit."""
+        if self.device_loop is not None:
+            try:
+                if self.device_loop.running():
+                    log.error("the device loop is still running; not releasing its resources")
+                    return
+            except RuntimeError:
+                pass  # a CUDA error: nothing of the context can be released cleanly either way
+        while self._owned:
+            resource = self._owned.pop()
+            try:
+                resource.close()
+            except Exception:
+                log.exception("releasing %r failed", resource)
+        self.step = None
+        self.device_loop = None
+        self.host_step = None
 
     def _start(self) -> None:
         r = self.region
@@ -314,3 +348,95 @@ class LoopEngineServer:
         values["last_step_ns"] = self._last_step_ns
         values["updated_ns"] = time.monotonic_ns()
         self.region.write_telemetry(values)
+
+
+def build_loop_server(
+    profile: Profile,
+    checkpoint: Checkpoint,
+    plan: ModelPlan,
+    transport: ShmTransport,
+    **options: float,
+) -> LoopEngineServer:
+    """Everything the GPU loop serves with, from the profile: weights on the device, KV cache, the
+    loop's state and kernels (LoopStep), the ring mapped into the GPU, the forward graphs and, in
+    mode "loop", the DeviceLoop graph (captured, not launched: run() launches it)."""
+    from blink_appliance.engine.loop_step import LoopStep
+    from blink_appliance.model.gpu_forward import GpuWeights
+    from blink_appliance.profile import ProfileError, loop_geometry, ring_geometry
+    from blink_appliance.transport.ring_layout import RingLayout
+
+    mode = profile.engine_mode
+    if mode not in ("loop", "host"):
+        raise ProfileError(f"engine.mode: {mode!r} is not served by the GPU loop")
+    device = torch.device(profile.model.device)
+    dtype = getattr(torch, profile.model.dtype)
+    if device.type == "cpu":
+        if mode == "loop":
+            raise ProfileError("engine.mode: 'loop' needs a CUDA device; on 'cpu' use 'host'")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ProfileError(
+                "engine.mode: 'host' on device 'cpu' runs the loop's Triton kernels in the interpreter: "
+                "set TRITON_INTERPRET=1 before the kernels are imported"
+            )
+    elif not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        raise ProfileError(f"models[0].device: {device} is not available on this machine")
+    config = checkpoint.config
+    geometry = loop_geometry(profile, plan, config)
+    ring = ring_geometry(profile)
+    region = RingRegion.attach(transport, ring)
+    owned: list[Closeable] = []
+    try:
+        if device.type == "cuda":
+            from blink_appliance.engine.loop_control import LoopControl
+            from blink_appliance.transport.mapped_region import MappedRegion
+
+            torch.cuda.set_device(device)
+            mapped = MappedRegion.of_transport(transport, device)
+            owned.append(mapped)
+            ring_bytes = mapped.tensor(0, torch.uint8, mapped.size)
+            control = LoopControl(device)
+
+            def clock_offset_ns() -> int:
+                return control.measure_clock_offset_ns()[0]
+
+            offset: Callable[[], int] | None = clock_offset_ns
+        else:
+            # The region's own bytes; the commit kernel stamps host time itself under the interpreter.
+            ring_bytes = torch.frombuffer(transport._buf, dtype=torch.uint8)  # noqa: SLF001
+            offset = None
+        weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
+        step = LoopStep.build(
+            config, weights, ring_bytes, RingLayout.of(ring), geometry, device, dtype,
+            engine_seed=secrets.randbits(63),
+        )  # fmt: skip
+        device_loop = None
+        if mode == "loop":
+            from blink_appliance.engine.device_loop import DeviceLoop
+            from blink_appliance.transport.mapped_region import RingWords
+
+            step.warmup()  # capture records work; it must be compiled and warm before
+            device_loop = DeviceLoop(
+                step.body(),
+                num_active=step.state.num_active,
+                keep_running=step.state.keep_running,
+                ring=RingWords.of(mapped),
+                control=control,
+            )
+            owned.append(device_loop)
+        server = LoopEngineServer(
+            region,
+            step.state,
+            geometry,
+            mode=mode,
+            host_step=step.host_step if mode == "host" else None,
+            device_loop=device_loop,
+            clock_offset_ns=offset,
+            owned=owned,
+            **options,
+        )
+    except BaseException:
+        for resource in reversed(owned):
+            resource.close()
+        raise
+    server.step = step
+    return server
