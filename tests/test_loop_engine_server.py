@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import threading
 import time
@@ -331,7 +332,7 @@ def test_a_lost_front_end_gets_its_requests_cancelled_through_the_ring():
 
 
 # -- the served path: the real loop (LoopStep) in mode "host" under the Triton interpreter -----------
-def _tiny_profile(**engine):
+def _tiny_profile(device: str = "cpu", **engine):
     from blink_appliance.profile import parse_profile
 
     return parse_profile(
@@ -339,7 +340,7 @@ def _tiny_profile(**engine):
             "appliance": {"shm_name": "unused"},
             "models": [
                 {
-                    "name": "tiny", "source": "dummy:tiny", "dtype": "float32", "device": "cpu",
+                    "name": "tiny", "source": "dummy:tiny", "dtype": "float32", "device": device,
                     "max_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16, "block_size": 4,
                     "kv_budget_gib": 0.001, "max_output_tokens": 24,
                 }
@@ -351,18 +352,39 @@ def _tiny_profile(**engine):
 
 
 @contextlib.contextmanager
-def served_tiny_loop(**engine):
-    """The tiny model behind the loop in mode "host" on a fresh region, run in a thread."""
-    from blink_appliance.engine.loop_engine_server import build_loop_server
-    from blink_appliance.model.loaders import load_checkpoint
-    from blink_appliance.profile import resolve_plan, ring_geometry
+def served_tiny_loop(device: str = "cpu", **engine):
+    """The tiny model behind the loop (default: mode "host") on a fresh region, run in a thread.
 
-    profile = _tiny_profile(**engine)
-    ckpt = load_checkpoint("dummy:tiny", seed=0)
+    On a GPU everything comes from build_loop_server. On the CPU the loop's schedule, sample and
+    commit kernels run under the interpreter around the reference model's forward (LoopStep.assemble
+    with tests/test_loop_step.py's ReferenceStepForward): the interpreted Triton forward takes seconds
+    a step, and build_loop_server's CPU path is covered by the engine-process test below.
+    """
+    from blink_appliance.engine.loop_engine_server import build_loop_server
+    from blink_appliance.engine.loop_step import LoopStep
+    from blink_appliance.model.loaders import load_checkpoint
+    from blink_appliance.profile import loop_geometry, resolve_plan, ring_geometry
+    from blink_appliance.transport.ring_layout import RingLayout
+    from tests.test_loop_step import ReferenceStepForward
+
+    profile = _tiny_profile(device, **engine)
+    ckpt = load_checkpoint("dummy:tiny", seed=0)  # = ReferenceStepForward's weights
     plan = resolve_plan(profile.model, ckpt.config)
     ring = ring_geometry(profile)
     with shm_region(ring) as transport:
-        server = build_loop_server(profile, ckpt, plan, transport, heartbeat_interval_s=0.02)
+        if device == "cpu":
+            geometry = loop_geometry(profile, plan, ckpt.config)
+            ring_bytes = torch.frombuffer(transport._buf, dtype=torch.uint8)  # noqa: SLF001
+            step = LoopStep.assemble(
+                geometry, ReferenceStepForward(geometry), ring_bytes, RingLayout.of(ring), engine_seed=1
+            )
+            server = LoopEngineServer(
+                RingRegion.attach(transport, ring), step.state, geometry, mode=profile.engine_mode,
+                host_step=step.host_step, heartbeat_interval_s=0.02,
+            )  # fmt: skip
+            del ring_bytes
+        else:
+            server = build_loop_server(profile, ckpt, plan, transport, heartbeat_interval_s=0.02)
         stop = threading.Event()
         thread, errors = _serve(server, stop)
         try:
@@ -400,15 +422,46 @@ def _reference_streams(ckpt, plan, requests):
     return out
 
 
+TIMEOUT_S = 120.0  # a stream that never ends fails the test instead of hanging it
+
+
+async def _drain(stream) -> list:
+    async def all_events() -> list:
+        return [e async for e in stream]
+
+    return await asyncio.wait_for(all_events(), TIMEOUT_S)
+
+
 async def _collect(client, rid):
-    return [e async for e in client.stream(rid)]
+    return await _drain(client.stream(rid))
 
 
-async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_cancel_and_shutdown_work():
+HAVE_GPU_STACK = (
+    torch.cuda.is_available()
+    and importlib.util.find_spec("cupy") is not None
+    and importlib.util.find_spec("cuda.bindings") is not None
+)
+on_gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAVE_GPU_STACK, reason="needs a CUDA GPU with cupy and cuda-bindings (GPU extra)"),
+]
+
+
+@pytest.mark.parametrize(
+    "device, mode",
+    [
+        pytest.param("cpu", "host", id="cpu-host"),
+        pytest.param("cuda:0", "host", id="cuda-host", marks=on_gpu),
+        pytest.param("cuda:0", "loop", id="cuda-loop", marks=on_gpu),
+    ],
+)
+async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_cancel_and_shutdown_work(
+    device, mode
+):
     from blink_appliance.engine.request import SamplingParams
     from blink_appliance.transport.engine_client import EngineClient
 
-    with served_tiny_loop() as (server, transport, ring, ckpt, plan, stop):
+    with served_tiny_loop(device, mode=mode) as (server, transport, ring, ckpt, plan, stop):
         client = EngineClient.attach(transport, ring)
         await client.start()
         await _wait_async(lambda: client.engine_alive, "the loop server did not come up")
@@ -433,21 +486,24 @@ async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_ca
         # Cancel one while it decodes.
         rid = client.submit([7, 7, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
         stream = client.stream(rid)
-        first = await stream.__anext__()
+        first = await asyncio.wait_for(stream.__anext__(), TIMEOUT_S)
         assert first.token_id is not None
         client.cancel(rid)
-        rest = [e async for e in stream]
+        rest = await _drain(stream)
         assert rest[-1].finish_reason is FinishReason.ABORT and rest[-1].error is None
         assert len(rest) < 20
 
         # Shutdown with a request in flight: exactly one terminal, ABORT + shutdown.
         live = client.stream(client.submit([3, 1, 4], SamplingParams(max_tokens=20, ignore_eos=True)))
-        await live.__anext__()
+        await asyncio.wait_for(live.__anext__(), TIMEOUT_S)
         stop.set()
-        events = [e async for e in live]
+        stopping = time.monotonic()
+        events = await _drain(live)
         assert [e.finish_reason for e in events if e.finish_reason is not None] == [FinishReason.ABORT]
         assert events[-1].finish_reason is FinishReason.ABORT and "shutdown" in events[-1].error
         await _wait_async(lambda: server.report.state == EngineState.STOPPED, "server did not stop")
+        if mode == "loop":
+            assert time.monotonic() - stopping < 1.0  # the launched loop stops within a second
         assert server.report.left_open == 0  # the loop itself published every terminal
         telemetry = client.telemetry()
         assert telemetry["requests_admitted"] == 5 and telemetry["requests_cancelled"] >= 1
@@ -506,10 +562,10 @@ async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigt
             await client.start()
             await _wait_async(lambda: client.engine_alive, "the engine process did not come up", timeout=120)
             live = client.stream(client.submit([1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))
-            first = await live.__anext__()
+            first = await asyncio.wait_for(live.__anext__(), TIMEOUT_S)
             assert first.token_id is not None and first.finish_reason is None
             proc.send_signal(signal.SIGTERM)
-            rest = [e async for e in live]
+            rest = await _drain(live)
             assert rest[-1].finish_reason is FinishReason.ABORT and "shutdown" in rest[-1].error
             assert len(rest) < 19
             assert proc.wait(30) == 0
