@@ -112,18 +112,30 @@ class BlinkDashboard(App[None]):
     def watch_model_index(self) -> None:
         self._show()
 
+    def _widgets_gone(self) -> bool:
+        # The stream worker can set state while the app shuts down and its screen is already gone.
+        return not self.query(StatusBar)
+
     def watch_paused(self, paused: bool) -> None:
+        if self._widgets_gone():
+            return
         self.query_one(StatusBar).paused = paused
 
     def watch_connection(self, connection: str) -> None:
+        if self._widgets_gone():
+            return
         self.query_one(StatusBar).connection = connection
         # Keep the last numbers on screen while disconnected, greyed out.
         self.query_one("#body").set_class(connection != "live", "-stale")
 
     def watch_connection_detail(self, detail: str) -> None:
+        if self._widgets_gone():
+            return
         self.query_one(StatusBar).detail = detail
 
     def _show(self) -> None:
+        if self._widgets_gone():
+            return
         snap = self.snapshot
         names = self._model_names()
         index = self.model_index % len(names) if names else 0
