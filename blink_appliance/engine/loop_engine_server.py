@@ -409,12 +409,14 @@ def build_loop_server(
             config, weights, ring_bytes, RingLayout.of(ring), geometry, device, dtype,
             engine_seed=secrets.randbits(63),
         )  # fmt: skip
+        # Compile now, not in the first request's step; and capture only records work, so the
+        # loop's graph needs everything compiled and warm before it is built.
+        step.warmup()
         device_loop = None
         if mode == "loop":
             from blink_appliance.engine.device_loop import DeviceLoop
             from blink_appliance.transport.mapped_region import RingWords
 
-            step.warmup()  # capture records work; it must be compiled and warm before
             device_loop = DeviceLoop(
                 step.body(),
                 num_active=step.state.num_active,
