@@ -267,6 +267,23 @@ def test_host_mode_failure_marks_failed_and_fails_what_the_loop_held():
         assert region.load("req_tail") == 1
 
 
+def test_a_loop_that_ends_without_shutdown_is_a_failure():
+    with shm_region() as transport:
+        region = RingRegion.attach(transport, SMALL)
+        state = _state()
+
+        def ends_by_itself() -> None:
+            state.keep_running.fill_(0)
+
+        held = RawProducer(region).publish([1])
+        server = LoopEngineServer(region, state, GEOMETRY, mode="host", host_step=ends_by_itself)
+        thread, errors = _serve(server, threading.Event())
+        thread.join(5)
+        assert len(errors) == 1 and "without a shutdown request" in str(errors[0])
+        assert region.load("engine_state") == EngineState.FAILED
+        assert region.load_progress(held[0], "done") != held[1]  # still queued: the next epoch serves it
+
+
 # -- life cycle, mode "loop" --------------------------------------------------------------------------
 def test_loop_mode_launches_once_watches_and_stops_through_the_ring():
     with shm_region() as transport:

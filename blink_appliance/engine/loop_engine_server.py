@@ -184,6 +184,8 @@ class LoopEngineServer:
                 heartbeat.start()  # a thread: a long step must not look like death
                 self.region.store("engine_state", EngineState.RUNNING)
                 self._drive(stop)
+            if not self.region.load("shutdown"):
+                raise RuntimeError("the loop ended without a shutdown request (keep_running went to 0)")
             self._finish_stopped()
         except BaseException as exc:
             log.exception("loop engine failed")
