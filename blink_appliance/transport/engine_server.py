@@ -206,18 +206,18 @@ class EngineServer:
         except _Rejected as rej:
             self._release_arena(record)
             self._counters["requests_rejected"] += 1
-            self._write_terminal(slot, gen, FinishReason.ERROR, rej.code, rej.detail)
+            write_terminal(self.region, slot, gen, FinishReason.ERROR, rej.code, rej.detail)
             return
         self._release_arena(record)
         if self.region.load_ctl(slot, "cancel") == gen:
             self._counters["requests_cancelled"] += 1
-            self._write_terminal(slot, gen, FinishReason.ABORT, ErrorCode.NONE, "")
+            write_terminal(self.region, slot, gen, FinishReason.ABORT, ErrorCode.NONE, "")
             return
         try:
             self.engine.add_request(request)
         except ValueError as exc:
             self._counters["requests_rejected"] += 1
-            self._write_terminal(slot, gen, FinishReason.ERROR, ErrorCode.ENGINE_REJECTED, str(exc))
+            write_terminal(self.region, slot, gen, FinishReason.ERROR, ErrorCode.ENGINE_REJECTED, str(exc))
             return
         self._live[request.request_id] = _Live(slot, gen)
         self._live_gen[slot] = gen
@@ -364,24 +364,16 @@ class EngineServer:
         live = self._live.pop(request_id)
         self._live_gen[live.slot] = 0
         self._counters["requests_finished"] += 1
-        self._write_terminal(
-            live.slot, live.generation, reason, code, detail, token=token, stamp=stamp, count=live.written
-        )
-
-    def _write_terminal(
-        self,
-        slot: int,
-        generation: int,
-        reason: FinishReason,
-        code: ErrorCode,
-        detail: str,
-        *,
-        token: bool = False,
-        stamp: int = 0,
-        count: int | None = None,
-    ) -> None:
         write_terminal(
-            self.region, slot, generation, reason, code, detail, token=token, stamp=stamp, count=count
+            self.region,
+            live.slot,
+            live.generation,
+            reason,
+            code,
+            detail,
+            token=token,
+            stamp=stamp,
+            count=live.written,
         )
 
     # -- telemetry --------------------------------------------------------------------------------
