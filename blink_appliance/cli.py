@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from blink_appliance.profile import ProfileError, load_profile, resolve_plan, ring_geometry
@@ -82,16 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     lst = msub.add_parser("list", help="list named models and whether they are cached")
     lst.set_defaults(func=_cmd_models_list)
 
-    from blink_appliance.tui.app import add_arguments as add_top_arguments
-
     top = sub.add_parser("top", help="live dashboard of a running appliance")
-    add_top_arguments(top)
-    top.set_defaults(func=_cmd_top)
+    try:
+        from blink_appliance.tui.app import add_arguments as add_top_arguments
+    except ImportError as e:
+        # A serving host may lack the dashboard's packages (textual); `up` and `bench` must still run.
+        top.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        top.set_defaults(func=_top_unavailable(e))
+    else:
+        add_top_arguments(top)
+        top.set_defaults(func=_cmd_top)
 
     from blink_appliance.bench.commands import add_bench_parser
 
     add_bench_parser(sub)
     return parser
+
+
+def _top_unavailable(error: ImportError) -> Callable[[argparse.Namespace], int]:
+    def refuse(args: argparse.Namespace) -> int:
+        print(f"error: blink-appliance top needs the dashboard's packages: {error}", file=sys.stderr)
+        return 2
+
+    return refuse
 
 
 def _cmd_top(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     from blink_appliance.dpu.auth import configured_keys
     from blink_appliance.dpu.completion_service import CompletionService, ServiceLimits
     from blink_appliance.dpu.metrics import ServingMetrics
+    from blink_appliance.dpu.token_id_vocabulary import token_id_vocabulary_for
 
     from blink_appliance.model.detokenizer import IncrementalDetokenizer
     from blink_appliance.model.loaders import load_tokenizer
@@ -48,9 +49,14 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     _pin(fe.cpus)
     tokenizer = await asyncio.to_thread(load_tokenizer, m.model_source)
     if tokenizer is None:
+        # dummy: presets have no tokenizer: token-id prompts in, ids as text out (token_id_vocabulary.py).
+        tokenizer = token_id_vocabulary_for(m.model_source)
+        if tokenizer is not None:
+            log.info("%s has no tokenizer: token-id prompts only, output text is the ids", m.model_source)
+    if tokenizer is None:
         raise ProfileError(
             f"models[0].source: {m.model_source!r} has no tokenizer, and the HTTP front end needs one "
-            "(dummy: models serve benchmarks through the rings only)"
+            "(only dummy: models are served without one, with token-id prompts)"
         )
     geometry = ring_geometry(profile)
     transport = ShmTransport.open(profile.appliance.shm_name)

@@ -163,6 +163,8 @@ class CompletionService:
             templated = self.tokenizer.apply_chat_template(
                 req.template_messages(), add_generation_prompt=True
             )
+        except APIError:  # the tokenizer's own refusal (a model without a chat template)
+            raise
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
         if isinstance(templated, str):
