@@ -89,6 +89,7 @@ def test_cpu_profile_is_the_reference_engine():
         (["--device", "cpu", "--modes", "turbo"], "is not one of"),
         (["--device", "cpu", "--model", "tiny"], "expected a dummy: preset"),
         (["--device", "tpu"], "expected cuda:N or cpu"),
+        (["--device", "cpu", "--modes", "none", "--no-hf"], "nothing to run"),
     ],
 )
 def test_impossible_configurations_are_refused_before_anything_starts(argv, message, capsys):
@@ -101,8 +102,8 @@ def test_hf_baseline_without_transformers_is_recorded_not_run(tmp_path, monkeypa
     monkeypatch.setattr(
         compare.importlib.util, "find_spec", lambda name: None if name == "transformers" else real(name)
     )
-    cfg = _cfg("--device", "cpu", "--out-dir", str(tmp_path))
-    (_, hf) = plan_systems(cfg, core_layout([0, 1]), tmp_path)
+    cfg = _cfg("--device", "cpu", "--modes", "none", "--out-dir", str(tmp_path))
+    (hf,) = plan_systems(cfg, core_layout([0, 1]), tmp_path)
     assert hf.name == "hf" and "transformers is not installed" in hf.unavailable
     rec = SystemRecord(hf)
     run_system(cfg, rec, core_layout([0, 1]), interference_spec("spin=1", core_layout([0, 1]), 8),

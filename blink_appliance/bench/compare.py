@@ -600,7 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="dummy: preset (default dummy:llama-3.2-1b; cpu: dummy:tiny)"
     )
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--modes", default=None, help="appliance engine modes (default loop,host; cpu: reference)")
+    p.add_argument(
+        "--modes", default=None, help="appliance engine modes, or none (default loop,host; cpu: reference)"
+    )
     p.add_argument("--no-hf", dest="hf", action="store_false", help="leave out the HF transformers baseline")
     p.add_argument(
         "--rates", default="8,32,inf", help="request rates per run, inf = all at once (default 8,32,inf)"
@@ -642,9 +644,10 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     cpu = args.device == "cpu"
     if not cpu and not args.device.startswith("cuda:"):
         raise ValueError(f"--device: expected cuda:N or cpu, got {args.device!r}")
-    modes = tuple(
-        m.strip() for m in (args.modes or ("reference" if cpu else "loop,host")).split(",") if m.strip()
-    )
+    text = args.modes if args.modes is not None else ("reference" if cpu else "loop,host")
+    modes = () if text == "none" else tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes and not args.hf:
+        raise ValueError("nothing to run: --modes none with --no-hf")
     for mode in modes:
         if mode not in APPLIANCE_MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {', '.join(APPLIANCE_MODES)}")

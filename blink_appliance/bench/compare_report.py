@@ -213,7 +213,7 @@ def _run_row(system: dict[str, Any], run: dict[str, Any]) -> list[str]:
     ]
 
 
-def _system_notes(system: dict[str, Any]) -> list[str]:
+def _system_notes(system: dict[str, Any], device: str) -> list[str]:
     notes = []
     if system["error"]:
         notes.append(f"error: {system['error']}")
@@ -240,7 +240,8 @@ def _system_notes(system: dict[str, Any]) -> list[str]:
     if first is not None:
         cost = first["cost"]
         if cost["gpu_unavailable"]:
-            notes.append(f"J/tok n/a: {cost['gpu_unavailable']}")
+            why = "device cpu, no GPU" if device == "cpu" else cost["gpu_unavailable"]
+            notes.append(f"J/tok n/a: {why}")
         if cost["server_cpu_unavailable"]:
             notes.append(f"CPU s/1k tok n/a: {cost['server_cpu_unavailable']}")
         else:
@@ -340,7 +341,7 @@ def render_markdown(doc: dict[str, Any], png_name: str | None, png_missing: str 
             "",
         ]
         lines += _table(headers, [_run_row(system, run) for run in system["runs"]])
-        notes = _system_notes(system)
+        notes = _system_notes(system, cfg["device"])
         if notes:
             lines += [""] + [f"- {n}" for n in notes]
     lines += ["", "## Plot", ""]

@@ -151,7 +151,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)  # the client went away
 
     def _send(self, token: int | None, finish: str | None, error: str | None = None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (token, finish, error))
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: the server is shutting down
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (token, finish, error))
 
     def feed(self, token: int, eos_ids: frozenset[int]) -> None:
         """One generated token for this row (worker thread)."""
