@@ -246,6 +246,7 @@ class SystemRecord:
     plan: SystemPlan
     runs: list[RunRecord] = field(default_factory=list)
     startup_s: float | None = None
+    warmup_s: float | None = None
     warmup_failures: list[str] = field(default_factory=list)
     error: str | None = None
     exit_code: int | None = None
@@ -421,7 +422,8 @@ def run_system(
             pin_client(layout.client)
         t0 = time.monotonic()
         rec.warmup_failures = _warm_up(cfg, plan.shape, server, budget)
-        say(f"{plan.name}: warmed up in {time.monotonic() - t0:.1f} s ({len(rec.warmup_failures)} failed)")
+        rec.warmup_s = time.monotonic() - t0
+        say(f"{plan.name}: warmed up in {rec.warmup_s:.1f} s ({len(rec.warmup_failures)} failed)")
         server.wait_idle(min(_IDLE_WAIT_S, max(1.0, budget.left_s - _STOP_RESERVE_S)))
         for run in rec.runs:
             colocated = run.load == "colocated"
@@ -527,6 +529,7 @@ def system_dict(rec: SystemRecord) -> dict[str, Any]:
         "profile": rec.plan.profile_text,
         "argv": rec.plan.argv,
         "startup_s": rec.startup_s,
+        "warmup_s": rec.warmup_s,
         "warmup_failures": rec.warmup_failures,
         "error": rec.error,
         "exit_code": rec.exit_code,
@@ -629,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--memory-mib", type=int, default=128, help="each memory thrasher's buffers (128 MiB x2)")
     p.add_argument("--budget-s", type=float, default=510.0, help="the whole command's time (default 510)")
-    p.add_argument("--startup-timeout", type=float, default=240.0, help="seconds for a server to come up")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to come up")
     p.add_argument("--request-timeout", type=float, default=120.0, help="per request at most (default 120)")
     p.add_argument("--drain-allowance", type=float, default=None, help="run time after the last arrival (10)")
     p.add_argument("--hf-duration", type=float, default=10.0, help="HF baseline: seconds of arrivals (10)")
@@ -744,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     doc, files = run_compare(cfg, argv)
+    if "md" in files:  # the whole report on stdout too: the device call's output shows it
+        print(files["md"].read_text())
     for kind in ("md", "json", "png"):
         if kind in files:
             print(f"wrote {files[kind]}")

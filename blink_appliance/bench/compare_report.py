@@ -328,11 +328,14 @@ def render_markdown(doc: dict[str, Any], png_name: str | None, png_missing: str 
     headers = ["rate", "load", "ok/fail", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
     headers += ["P99 TPOT colo/iso", "J/tok", "CPU s/1k tok", "machine CPU %"]
     for system in doc["systems"]:
-        started = (
-            f"ready {system['startup_s']:.1f} s after start"
-            if system["startup_s"] is not None
-            else "did not serve"
-        )
+        if system["startup_s"] is None:
+            started = "did not serve"
+        else:
+            walls = [r["wall_s"] for r in system["runs"] if r.get("wall_s") is not None]
+            started = f"ready {system['startup_s']:.1f} s after start"
+            if system.get("warmup_s") is not None:
+                started += f", warm-up {system['warmup_s']:.1f} s"
+            started += f", {len(walls)} runs in {sum(walls):.0f} s"
         lines += [
             "",
             f"## {system['name']}: {system['label']}",
