@@ -112,6 +112,57 @@ def test_hf_baseline_without_transformers_is_recorded_not_run(tmp_path, monkeypa
     assert [r.skipped for r in rec.runs] == [hf.unavailable] * 2
 
 
+FAKE_SERVER = """
+import http.server, json, signal, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ok", "inflight": 0}).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print(f"http://127.0.0.1:{server.server_port}", flush=True)
+server.serve_forever()
+"""
+
+
+def _run_fake(tmp_path, argv, monkeypatch) -> SystemRecord:
+    import sys
+
+    cfg = _cfg("--device", "cpu", "--out-dir", str(tmp_path))
+    plan = compare.SystemPlan(
+        "fake", "a fake server", (4.0,), cfg.appliance_runs, [sys.executable, "-c", argv]
+    )
+    monkeypatch.setattr(compare, "_warm_up", lambda *args: [])
+
+    def measure(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(compare, "_measure", measure)
+    rec = SystemRecord(plan)
+    layout = core_layout([0, 1])
+    run_system(
+        cfg, rec, layout, interference_spec("spin=1", layout, 8), Budget(100.0), tmp_path / "f.log", list
+    )
+    return rec
+
+
+def test_a_failing_run_is_recorded_and_the_server_still_stopped(tmp_path, monkeypatch):
+    rec = _run_fake(tmp_path, FAKE_SERVER, monkeypatch)
+    assert rec.error is None and rec.startup_s is not None and rec.exit_code == 0
+    assert [r.skipped for r in rec.runs] == ["the run failed: RuntimeError: boom"] * 2
+
+
+def test_a_server_that_does_not_start_is_recorded_with_its_log(tmp_path, monkeypatch):
+    rec = _run_fake(tmp_path, "import sys; print('no GPU here', file=sys.stderr); sys.exit(3)", monkeypatch)
+    assert "fake exited with code 3 while starting" in rec.error and rec.startup_s is None
+    assert "no GPU here" in rec.log_tail
+    assert all(r.skipped.startswith("the server did not start") for r in rec.runs)
+
+
 def test_a_budget_too_small_records_every_run_as_skipped(tmp_path, capsys):
     code = compare.main(
         [

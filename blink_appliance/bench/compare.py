@@ -436,11 +436,18 @@ def run_system(
                 say(f"{plan.name}: skipping rate {run.rate:g} {run.load}: {run.skipped}")
                 continue
             t0 = time.monotonic()
-            rate_run = _measure(cfg, plan.shape, server, run, interference if colocated else None, budget)
-            run.wall_s = time.monotonic() - t0
+            try:
+                rate_run = _measure(cfg, plan.shape, server, run, interference if colocated else None, budget)
+            except Exception as e:  # e.g. the interference did not start: keep the other runs going
+                run.skipped = f"the run failed: {type(e).__name__}: {e}"
+                say(f"{plan.name}: rate {run.rate:g} {run.load}: {run.skipped}")
+                continue
+            finally:
+                run.wall_s = time.monotonic() - t0
             run.result = run_dict(rate_run, detailed=False)
             on_progress()
-            server.wait_idle(min(_IDLE_WAIT_S, max(1.0, budget.left_s - _STOP_RESERVE_S)))
+            if not server.wait_idle(min(_IDLE_WAIT_S, max(1.0, budget.left_s - _STOP_RESERVE_S))):
+                say(f"{plan.name}: still busy {_IDLE_WAIT_S:.0f} s after the run; the next run starts anyway")
     except ServerStartError as e:
         rec.error = str(e).splitlines()[0]
         say(f"{plan.name}: {rec.error}")
