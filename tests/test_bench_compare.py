@@ -125,6 +125,8 @@ class Health(http.server.BaseHTTPRequestHandler):
 server = http.server.HTTPServer(("127.0.0.1", 0), Health)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 print(f"http://127.0.0.1:{server.server_port}", flush=True)
+for _ in range(300):  # 300 kB of stray stdout: more than a pipe holds, so only a drained pipe lets it serve
+    print("x" * 1000, flush=True)
 server.serve_forever()
 """
 
@@ -154,6 +156,7 @@ def test_a_failing_run_is_recorded_and_the_server_still_stopped(tmp_path, monkey
     rec = _run_fake(tmp_path, FAKE_SERVER, monkeypatch)
     assert rec.error is None and rec.startup_s is not None and rec.exit_code == 0
     assert [r.skipped for r in rec.runs] == ["the run failed: RuntimeError: boom"] * 2
+    assert "[stdout] xxx" in (tmp_path / "f.log").read_text()
 
 
 def test_a_server_that_does_not_start_is_recorded_with_its_log(tmp_path, monkeypatch):

@@ -79,10 +79,16 @@ class ServerProcess:
         self.ready_after_s = time.monotonic() - self.started_s
 
     def _read_url(self) -> None:
+        """The first stdout line is the URL; the rest (a child's stray prints) is drained into the
+        log, so a full pipe can never block the server."""
         assert self.proc is not None and self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if line:
             self._url_lines.append(line)
+        with self.log_path.open("a") as log:
+            for rest in self.proc.stdout:
+                log.write(f"[stdout] {rest}")
+                log.flush()
 
     def health(self, timeout_s: float = 5.0) -> tuple[int, dict]:
         try:
@@ -128,8 +134,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
         return self.proc.returncode
 
     def log_tail(self, lines: int = 40) -> str:
