@@ -13,6 +13,7 @@ the rows that sample. The GPU forward (kernels/) computes the same function.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [T, head_dim] for the rotate-half convention, computed in fp32."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -69,56 +72,82 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+@dataclass
+class QueryGroup:
+    """Sequences whose queries attend together in one padded SDPA call.
+
+    Queries are laid out [S, max_q] and keys [S, max_ctx]; padding queries repeat the sequence's first
+    row (their output is dropped), padding keys point at slot 0 and are masked off.
+    """
+
+    rows: torch.Tensor  # [S, max_q] int64: row of each query in the flat batch
+    valid_rows: torch.Tensor  # [N] int64: the rows of the real queries, in [S, max_q] order
+    valid: torch.Tensor  # [S, max_q] bool: which entries of `rows` are real queries
+    key_slots: torch.Tensor  # [S, max_ctx] int64: cache slot of each key position, 0 past the context
+    mask: torch.Tensor  # [S, 1, max_q, max_ctx] bool: causal, and only keys inside the context
+
+
+@dataclass
+class AttentionPlan:
+    """A step's gather/scatter indices, computed once per forward and shared by every layer.
+
+    Decode tokens (one query per sequence) form one group; prefill chunks another, padded to the
+    longest chunk. Keeping them apart stops one long prefill from padding every decode query.
+    """
+
+    write_rows: torch.Tensor | None  # [W] rows whose K/V are written; None: every row
+    write_slots: torch.Tensor  # [W] their cache slots
+    groups: list[QueryGroup]
+
+
+def _query_group(batch: ForwardBatch, seqs: torch.Tensor, block_size: int) -> QueryGroup:
+    starts = batch.query_start[:-1].to(torch.int64)[seqs]
+    n_q = batch.query_start[1:].to(torch.int64)[seqs] - starts
+    n_ctx = batch.context_lens.to(torch.int64)[seqs]
+    q_idx = torch.arange(int(n_q.max()), device=seqs.device)
+    valid = q_idx[None, :] < n_q[:, None]
+    rows = starts[:, None] + torch.where(valid, q_idx[None, :], 0)
+    k_pos = torch.arange(int(n_ctx.max()), device=seqs.device)
+    blocks = batch.block_tables[seqs][:, k_pos // block_size].to(torch.int64)
+    key_slots = torch.where(k_pos[None, :] < n_ctx[:, None], blocks * block_size + k_pos % block_size, 0)
+    # A query at position p sees keys 0..p; p < context_len, so keys past the context stay masked.
+    mask = k_pos[None, None, :] <= batch.positions[rows][:, :, None]
+    return QueryGroup(rows, rows[valid], valid, key_slots, mask[:, None])
+
+
+def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+    written = batch.slot_mapping >= 0
+    if bool(written.all()):
+        write_rows, write_slots = None, batch.slot_mapping
+    else:
+        write_rows = written.nonzero()[:, 0]
+        write_slots = batch.slot_mapping[write_rows]
+    n_q = batch.query_start[1:] - batch.query_start[:-1]
+    groups = []
+    for seqs in ((n_q == 1).nonzero()[:, 0], (n_q > 1).nonzero()[:, 0]):  # empty sequences attend nowhere
+        if seqs.numel():
+            groups.append(_query_group(batch, seqs, block_size))
+    return AttentionPlan(write_rows, write_slots, groups)
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
 ) -> torch.Tensor:
     """Causal attention of each query token over its sequence's keys in the paged cache.
 
     q: [T, n_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, n_kv, head_dim] (one layer).
     Returns [T, n_heads, head_dim]; padding rows (past the last sequence's run) are zero.
-    Decode sequences (one query each) are batched into one call; prefill chunks go one by one.
     """
     out = torch.zeros_like(q)
-    block_size = k_cache.shape[1]
-    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
-    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
-    qs = batch.query_start.tolist()
-    ctx = batch.context_lens.tolist()
-    decode, prefill = [], []
-    for s in range(len(ctx)):
-        n_q = qs[s + 1] - qs[s]
-        if n_q == 1:
-            decode.append(s)
-        elif n_q > 1:
-            prefill.append(s)
-
-    def key_slots(s: int, n: int) -> torch.Tensor:
-        pos = torch.arange(n, device=q.device)
-        return batch.block_tables[s, pos // block_size].to(torch.int64) * block_size + pos % block_size
-
-    if decode:
-        # All decode tokens at once: pad keys to the longest context and mask the tail.
-        max_ctx = max(ctx[s] for s in decode)
-        slots = torch.stack([F.pad(key_slots(s, ctx[s]), (0, max_ctx - ctx[s])) for s in decode])
-        valid = torch.arange(max_ctx, device=q.device)[None, :] < torch.tensor([ctx[s] for s in decode], device=q.device)[:, None]
-        rows = torch.tensor([qs[s] for s in decode], device=q.device)
-        keys = flat_k[slots].transpose(1, 2)  # [S, n_kv, max_ctx, D]
-        values = flat_v[slots].transpose(1, 2)
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    for g in plan.groups:
+        keys = flat_k[g.key_slots].transpose(1, 2)  # [S, n_kv, max_ctx, D]
+        values = flat_v[g.key_slots].transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            q[rows][:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        out[rows] = attn[:, :, 0, :]
-    for s in prefill:
-        start, end, n_ctx = qs[s], qs[s + 1], ctx[s]
-        slots = key_slots(s, n_ctx)
-        keys = flat_k[slots].transpose(0, 1)  # [n_kv, n_ctx, D]
-        values = flat_v[slots].transpose(0, 1)
-        q_pos = batch.positions[start:end]
-        mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[start:end] = attn.transpose(0, 1)
+            q[g.rows].transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True
+        )  # [S, n_heads, max_q, D]
+        out[g.valid_rows] = attn.transpose(1, 2)[g.valid]
     return out
 
 
@@ -140,7 +169,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        batch: ForwardBatch,
+        plan: AttentionPlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -154,12 +183,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         # Write this step's K/V first so that a token attends to itself and earlier tokens of its chunk.
-        write = batch.slot_mapping >= 0
-        slots = batch.slot_mapping[write]
-        k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k[write])
-        v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v[write])
+        if plan.write_rows is not None:
+            k, v = k[plan.write_rows], v[plan.write_rows]
+        k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, k)
+        v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, v)
 
-        attn = paged_attention(q, k_cache, v_cache, batch, scale=c.head_dim**-0.5)
+        attn = paged_attention(q, k_cache, v_cache, plan, scale=c.head_dim**-0.5)
         return self.o_proj(attn.reshape(T, c.q_size))
 
 
@@ -182,8 +211,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+    def forward(self, x, cos, sin, plan, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -225,14 +254,17 @@ class LlamaModel(nn.Module):
             for name, p in params.items():
                 w = weights[name]
                 if tuple(w.shape) != tuple(p.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(w.shape)} != model shape {tuple(p.shape)}"
+                    )
                 p.copy_(w)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
+        plan = plan_attention(batch, kv.block_size)  # once per step, not once per layer
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, kv.k[i], kv.v[i])
+            x = layer(x, cos, sin, plan, kv.k[i], kv.v[i])
         h = self.model.norm(x[batch.sample_rows])
         return F.linear(h, self.output_embedding).float()
