@@ -9,7 +9,7 @@ publication protocol is docs/protocol.md ("Publication order", GPU paragraph).
    ring tokens[chan, i] = t, times[chan, i] = now. Stop rules in the reference engine's order (EOS
    unless ignore_eos, stop ids -> STOP; max_tokens, max_model_len -> LENGTH). Publication: payload
    (tokens, times; the status record of a finishing row), a barrier, then `count` (i + 1, | FINAL_BIT
-   when finishing) with a system-scope release exchange, a barrier, then `done` = generation the
+   when finishing) with a system-scope release store, a barrier, then `done` = generation the
    same way for a finishing row. A row whose output index is past the channel's capacity publishes
    no token and finishes LENGTH (the ring server's rule; admission keeps max_tokens within it).
 2. Slots in FINISHING (schedule's cancels, rejected records, shutdown): status (their finish_reason
@@ -44,14 +44,33 @@ FINISH_ERROR = tl.constexpr(4)
 
 
 @triton.jit
-def _now(host_clock_ptr, clock_offset_ptr, DEVICE_CLOCK: tl.constexpr):
-    if DEVICE_CLOCK:
+def _now(host_clock_ptr, clock_offset_ptr, ON_GPU: tl.constexpr):
+    if ON_GPU:
         t = tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
         )
         return t + tl.load(clock_offset_ptr)
     else:
         return tl.load(host_clock_ptr)
+
+
+@triton.jit
+def _store_release(ptr, value, mask, ON_GPU: tl.constexpr):
+    """Release-store of the u64 words the front end polls (count, done), where `mask`. On the GPU a
+    predicated `st.release.sys`: the ring is host memory over PCIe, where system-scope atomics are not
+    supported (compute-sanitizer flags them), so the publication is a release store, not an exchange.
+    Every thread holding a lane runs the asm (inline asm is not deduplicated): the same value each."""
+    if ON_GPU:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.release.sys.global.u64 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,l,r",
+            [ptr, value.to(tl.int64), mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.store(ptr, value.to(tl.int64), mask=mask)
 
 
 @triton.jit
@@ -88,10 +107,16 @@ def _commit_kernel(
     S, D, max_output_tokens, max_inflight,
     MAX_STOP: tl.constexpr, BLOCK_STOP: tl.constexpr, MAX_EOS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
     MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-    GENERATED: tl.constexpr, FINISHED: tl.constexpr, DEVICE_CLOCK: tl.constexpr,
+    GENERATED: tl.constexpr, FINISHED: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
-    now = _now(host_clock_ptr, clock_offset_ptr, DEVICE_CLOCK)
+    now = _now(host_clock_ptr, clock_offset_ptr, ON_GPU)
     final_bit = tl.full([], 1, tl.int64) << 63
+    # One-element words this program updates: read here, written once at the end after a barrier
+    # (kernels/schedule.py's docstring says why: a store by one thread may beat another warp's load).
+    top = tl.load(free_top_ptr)
+    generated_before = tl.load(counters_ptr + GENERATED)
+    finished_before = tl.load(counters_ptr + FINISHED)
+    active_before = tl.load(num_active_ptr)
 
     # -- 1. sampled rows -----------------------------------------------------------------------------
     r = tl.arange(0, BLOCK_S)
@@ -136,12 +161,11 @@ def _commit_kernel(
     prog = prog_at // 8 + chan * (PROGRESS_BYTES // 8)
     count = tl.where(room, i + 1, i).to(tl.int64)
     count = tl.where(finished, count | final_bit, count)
-    tl.atomic_xchg(ring64_ptr + prog, count, mask=row, sem="release", scope="sys")
+    _store_release(ring64_ptr + prog, count, row, ON_GPU)
     tl.debug_barrier()
     generation = tl.load(generation_ptr + s, mask=finished, other=0)
-    tl.atomic_xchg(ring64_ptr + prog + 1, generation, mask=finished, sem="release", scope="sys")
+    _store_release(ring64_ptr + prog + 1, generation, finished, ON_GPU)
 
-    top = tl.load(free_top_ptr)
     top += _release_blocks(
         s, finished, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
     )
@@ -167,15 +191,14 @@ def _commit_kernel(
     prog = prog_at // 8 + c * (PROGRESS_BYTES // 8)
     held = tl.load(ring64_ptr + prog, mask=publish, other=0, volatile=True)
     tl.debug_barrier()
-    tl.atomic_xchg(ring64_ptr + prog, held | final_bit, mask=publish, sem="release", scope="sys")
+    _store_release(ring64_ptr + prog, held | final_bit, publish, ON_GPU)
     tl.debug_barrier()
     generation = tl.load(generation_ptr + d, mask=publish, other=0)
-    tl.atomic_xchg(ring64_ptr + prog + 1, generation, mask=publish, sem="release", scope="sys")
+    _store_release(ring64_ptr + prog + 1, generation, publish, ON_GPU)
 
     top += _release_blocks(
         d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
     )
-    tl.store(free_top_ptr, top)
     tl.store(slot_state_ptr + d, tl.full([BLOCK_D], FREE, tl.int32), mask=closing)
     tl.store(finish_reason_ptr + d, tl.zeros_like(why), mask=closing)
     tl.store(error_code_ptr + d, tl.zeros_like(err), mask=closing)
@@ -183,10 +206,13 @@ def _commit_kernel(
 
     # -- 3. counters and loop control ---------------------------------------------------------------------
     counted = tl.sum((closing & (why != FINISH_ERROR)).to(tl.int64), 0) + n_finished
-    tl.store(counters_ptr + GENERATED, tl.load(counters_ptr + GENERATED) + generated)
-    tl.store(counters_ptr + FINISHED, tl.load(counters_ptr + FINISHED) + counted)
-    tl.store(num_active_ptr, tl.load(num_active_ptr) - n_finished - n_closed)
-    tl.store(keep_running_ptr, (tl.load(shutdown_seen_ptr) == 0).to(tl.int32))
+    keep_running = (tl.load(shutdown_seen_ptr) == 0).to(tl.int32)
+    tl.debug_barrier()  # every warp has read the words below before one thread writes them
+    tl.store(free_top_ptr, top)
+    tl.store(counters_ptr + GENERATED, generated_before + generated)
+    tl.store(counters_ptr + FINISHED, finished_before + counted)
+    tl.store(num_active_ptr, active_before - n_finished - n_closed)
+    tl.store(keep_running_ptr, keep_running)
 
 
 def launch_commit(args: tuple, constexprs: dict) -> None:

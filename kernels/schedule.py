@@ -21,6 +21,20 @@ consumer words `req_tail` / `arena_tail` are written with release semantics afte
 every thread's reads of the records and prompts are done before the front end may reuse their space
 (docs/protocol.md, "Publication order"). With RING_ASM these are `ld.acquire.sys` / `st.release.sys`
 in inline PTX; without (Triton's CPU interpreter, where there is no reordering) plain loads/stores.
+
+Words the program reads and then updates (free_top, next_arrival, next_run_order, the block-table
+width in scratch) are loaded once at the start and stored once at the end, after a CTA barrier. The
+program runs as several warps, and a one-element store is done by one thread: a store in the middle
+could land before another warp has loaded the old value, which that warp would then use for its own
+lanes (H100, 2026-11-23: next_run_order stored right after its load gave slots 32+ run orders
+already taken, and the rank by run order then scheduled some sequences twice and others not at all).
+
+Ring words the front end may change while the program runs (shutdown, the records' seq words,
+arena_head, channels' cancel and generation words) are read once and made uniform through `snap`
+(device memory: store, barrier, load) before anything depends on them. A vector smaller than the
+program's threads is held by several threads each, and each would load a changing word at its own
+moment: warps would disagree on how many records are published or whether a request is cancelled
+(H100: records skipped as unaddressable and their requests never answered, blocks leaked).
 """
 
 from __future__ import annotations
@@ -211,7 +225,7 @@ def schedule_kernel(
     input_ids_ptr, positions_ptr, slot_mapping_ptr, query_start_ptr, context_lens_ptr, block_tables_ptr,
     sample_rows_ptr,
     # the scheduler's own: bucket sizes, scratch, seed for requests without one
-    buckets_ptr, scratch_ptr, engine_seed,
+    buckets_ptr, scratch_ptr, snap_ptr, engine_seed,
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
@@ -240,7 +254,11 @@ def schedule_kernel(
     nb_d = tl.load(num_blocks_ptr + offs_d, mask=md, other=0)
     ch_d = tl.load(chan_ptr + offs_d, mask=md, other=-1)
     gen_d = tl.load(generation_ptr + offs_d, mask=md, other=0)
+    # Read here, written back once at the end (module docstring: one-element updates and warps).
     top = tl.load(free_top_ptr)
+    next_arrival = tl.load(next_arrival_ptr)
+    next_run_order = tl.load(next_run_order_ptr)
+    table_width = tl.load(scratch_ptr + BLOCK_D + BLOCK_S)  # block-table columns the last forward used
 
     # Every read of the ring a step needs, issued up front so that their bus round trips overlap
     # (about two in all: the control words and cancel words, then the records at req_tail).
@@ -257,6 +275,15 @@ def schedule_kernel(
     position = tail + offs_r
     rec = OFF_RECORDS + (position % REQ_SLOTS) * REC_BYTES
     seq_word = _load_acquire(ring_i64 + rec // 8, RING_ASM)
+    # One value per word for every thread (module docstring): snap[0] shutdown, [2, +BLOCK_R) seq
+    # words, [2 + BLOCK_R, +BLOCK_D) cancel words of the live slots' channels.
+    tl.store(snap_ptr, shutdown)
+    tl.store(snap_ptr + 2 + offs_r, seq_word)
+    tl.store(snap_ptr + 2 + BLOCK_R + offs_d, cancel_word)
+    tl.debug_barrier()
+    shutdown = tl.load(snap_ptr, volatile=True)
+    seq_word = tl.load(snap_ptr + 2 + offs_r, volatile=True)
+    cancel_word = tl.load(snap_ptr + 2 + BLOCK_R + offs_d, volatile=True)
 
     # What the step ends up with (the shutdown branch leaves them empty).
     nseq = tl.full([], 0, tl.int32)  # sequences in the batch
@@ -330,6 +357,16 @@ def schedule_kernel(
                 ring_i64 + (OFF_PROG + r_chan * _PROG_BYTES + _PROG_DONE) // 8,
                 mask=on_chan, other=0, volatile=True,
             )  # fmt: skip
+            # The front end's words among these, made uniform (snap[1] arena_head, then per record
+            # its channel's generation and cancel words after the first 2 + BLOCK_R + BLOCK_D).
+            at = 2 + BLOCK_R + BLOCK_D
+            tl.store(snap_ptr + 1, arena_head)
+            tl.store(snap_ptr + at + offs_r, c_gen)
+            tl.store(snap_ptr + at + BLOCK_R + offs_r, c_cancel)
+            tl.debug_barrier()
+            arena_head = tl.load(snap_ptr + 1, volatile=True)
+            c_gen = tl.load(snap_ptr + at + offs_r, volatile=True)
+            c_cancel = tl.load(snap_ptr + at + BLOCK_R + offs_r, volatile=True)
             # Checks that need nothing but the record, in engine_server's order. The ones that depend
             # on earlier records (channel in use, duplicate id, arena_tail, prompt tokens) come below.
             local = tl.where(
@@ -426,7 +463,6 @@ def schedule_kernel(
             n_rejected = tl.sum(rejected_r.to(tl.int32), 0)
             n_cancelled += tl.sum(cancelled_r.to(tl.int32), 0)
             n_unaddressable = tl.sum((tk & (r_outcome == _UNADDRESSABLE)).to(tl.int32), 0)
-            next_arrival = tl.load(next_arrival_ptr)
             sl = tl.where(took, r_slot, 0)
             plen_kept = tl.where(adm_r, r_plen, 0).to(tl.int32)
             seed = tl.where(r_has_seed == 1, r_seed, _derived_seed(engine_seed, r_rid))
@@ -462,7 +498,7 @@ def schedule_kernel(
                 stop_row,
                 mask=adm_r[:, None] & (jj[None, :] < MAX_STOP),
             )
-            tl.store(next_arrival_ptr, next_arrival + n_admitted)
+            next_arrival += n_admitted
             # All reads of the records and their prompts are done (barrier); then hand the space back.
             tl.debug_barrier()
             _store_release(ring_i64 + _OFF_REQ_TAIL // 8, tail + n_records, RING_ASM)
@@ -621,12 +657,11 @@ def schedule_kernel(
         _pop_blocks(adm, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
                     block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
         top -= popped
-        next_run_order = tl.load(next_run_order_ptr)
         tl.store(slot_state_ptr + offs_d, tl.full([BLOCK_D], _RUNNING, tl.int32), mask=adm)
         tl.store(run_order_ptr + offs_d, next_run_order + adm_rank, mask=adm)
         tl.store(num_computed_ptr + offs_d, adm_n, mask=adm)
         tl.store(num_blocks_ptr + offs_d, adm_need, mask=adm)
-        tl.store(next_run_order_ptr, next_run_order + n_new)
+        next_run_order += n_new
         bi_d = nseq + adm_rank
         tl.store(step_slot_ptr + bi_d, offs_d, mask=adm)
         tl.store(step_chunk_ptr + bi_d, adm_n, mask=adm)
@@ -666,7 +701,6 @@ def schedule_kernel(
     tl.store(step_num_tokens_ptr, ntot)
     tl.store(bucket_index_ptr, bucket_index)
     tl.store(sampler_index_ptr, any_random)
-    tl.store(free_top_ptr, top)
 
     # 6. The forward's token rows (bucket padding included) and block tables.
     tl.debug_barrier()  # step tables, block tables and prompt copies above are visible to every thread
@@ -695,7 +729,7 @@ def schedule_kernel(
         in_batch = offs_s < nseq
         rows = tl.load(step_slot_ptr + offs_s, mask=in_batch, other=0)
         width = tl.max(tl.load(num_blocks_ptr + rows, mask=in_batch, other=0), 0)
-        columns = tl.maximum(width, tl.load(scratch_ptr + BLOCK_D + BLOCK_S))
+        columns = tl.maximum(width, table_width)
         for c0 in range(0, columns, BLOCK_C):
             col = c0 + tl.arange(0, BLOCK_C)
             cm = col[None, :] < columns
@@ -707,7 +741,7 @@ def schedule_kernel(
                 table,
                 mask=(offs_s < S)[:, None] & cm,
             )
-        tl.store(scratch_ptr + BLOCK_D + BLOCK_S, width)
+        table_width = width
 
     # 7. Counters, active slots.
     offs_c = tl.arange(0, BLOCK_NC)
@@ -723,8 +757,14 @@ def schedule_kernel(
         + tl.where(offs_c == _C_UNADDRESSABLE, n_unaddressable.to(tl.int64), 0)
     )
     counters = tl.load(counters_ptr + offs_c, mask=offs_c < NUM_COUNTERS, other=0)
+    num_active = tl.sum((md & (st != _FREE)).to(tl.int32), 0)
+    tl.debug_barrier()  # every warp has read the words below before one thread writes them
     tl.store(counters_ptr + offs_c, counters + delta, mask=offs_c < NUM_COUNTERS)
-    tl.store(num_active_ptr, tl.sum((md & (st != _FREE)).to(tl.int32), 0))
+    tl.store(num_active_ptr, num_active)
+    tl.store(free_top_ptr, top)
+    tl.store(next_arrival_ptr, next_arrival)
+    tl.store(next_run_order_ptr, next_run_order)
+    tl.store(scratch_ptr + BLOCK_D + BLOCK_S, table_width)
 
 
 @triton.jit

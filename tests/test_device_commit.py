@@ -45,7 +45,7 @@ GEOMETRY = LoopGeometry(
 
 def region_tensor(transport) -> torch.Tensor:
     """The region's bytes as a CPU tensor (the CPU counterpart of MappedRegion.tensor)."""
-    return torch.frombuffer(transport._buf, dtype=torch.uint8)  # noqa: SLF001
+    return torch.frombuffer(transport.buffer, dtype=torch.uint8)
 
 
 def admit(state: DeviceState, slot: int, *, chan: int, prompt: list[int], generated: list[int], blocks: list[int],

@@ -391,7 +391,7 @@ def served_tiny_loop(device: str = "cpu", **engine):
     with shm_region(ring) as transport:
         if device == "cpu":
             geometry = loop_geometry(profile, plan, ckpt.config)
-            ring_bytes = torch.frombuffer(transport._buf, dtype=torch.uint8)  # noqa: SLF001
+            ring_bytes = torch.frombuffer(transport.buffer, dtype=torch.uint8)
             step = LoopStep.assemble(
                 geometry, ReferenceStepForward(geometry), ring_bytes, RingLayout.of(ring), engine_seed=1
             )

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.util
 import os
+import random
 import time
 
 import pytest
@@ -27,19 +29,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.engine.device_state import COUNTER_INDEX, LoopGeometry  # noqa: E402
+from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState  # noqa: E402
 from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from blink_appliance.engine.loop_rig import LoopRig  # noqa: E402
 from blink_appliance.engine.loop_step import LoopStep  # noqa: E402
 from blink_appliance.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
-from blink_appliance.model.gpu_forward import GpuWeights, StepInputs  # noqa: E402
+from blink_appliance.model.gpu_forward import StepInputs  # noqa: E402
 from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
 from blink_appliance.transport.engine_client import EngineClient  # noqa: E402
-from blink_appliance.transport.region import RingRegion  # noqa: E402
-from blink_appliance.transport.ring_layout import EngineState, RingGeometry, RingLayout  # noqa: E402
-from tests.test_ring_support import shm_region  # noqa: E402
+from blink_appliance.transport.ring_layout import RingGeometry  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness; B1/B2 run the GPU version")
+HAVE_GPU_STACK = (
+    importlib.util.find_spec("cupy") is not None and importlib.util.find_spec("cuda.bindings") is not None
+)
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness (the interpreted forward)")
 
 RING = RingGeometry(
     request_slots=8,
@@ -107,7 +111,7 @@ def stop_token_case(reference: dict[str, list[int]]) -> tuple[str, int, list[int
 
 
 def region_tensor(transport) -> torch.Tensor:
-    return torch.frombuffer(transport._buf, dtype=torch.uint8)  # noqa: SLF001
+    return torch.frombuffer(transport.buffer, dtype=torch.uint8)
 
 
 class ReferenceStepForward:
@@ -142,8 +146,10 @@ class ReferenceStepForward:
         return self.logits[:rows]
 
 
-async def serve(loop: LoopStep, region: RingRegion, client: EngineClient, workload) -> tuple[dict, int]:
-    """Drive the loop one host_step at a time, submitting on schedule; the streams by name."""
+async def serve(rig: LoopRig, client: EngineClient, workload) -> tuple[dict, int]:
+    """Drive the loop (one host_step per beat, or the device loop running by itself), submitting on
+    schedule; the streams by name. The clock is the beat count when host-driven; in the device loop
+    it is the number of tokens the first request has received (about one per iteration)."""
     streams: dict[str, list] = {}
     tasks: dict[str, asyncio.Task] = {}
     ids: dict[str, int] = {}
@@ -154,48 +160,56 @@ async def serve(loop: LoopStep, region: RingRegion, client: EngineClient, worklo
 
     steps = 0
     cancelled = False
+    pending = list(workload)
     deadline = time.monotonic() + 120
     while True:
-        region.store("engine_heartbeat_ns", time.monotonic_ns())  # the client submits only to a live engine
-        for name, arrival, tokens, params in workload:
-            if arrival == steps:
-                ids[name] = client.submit(tokens, params)
-                streams[name] = []
-                tasks[name] = asyncio.create_task(collect(ids[name], streams[name]))
-        loop.host_step()
+        rig.heartbeat()  # the client submits only to a live engine
+        clock = steps if rig.loop is None else len(streams.get(workload[0][0], []))
+        for w in [w for w in pending if w[1] <= clock]:
+            name, _, tokens, params = w
+            ids[name] = client.submit(tokens, params)
+            streams[name] = []
+            tasks[name] = asyncio.create_task(collect(ids[name], streams[name]))
+            pending.remove(w)
+        rig.beat()
         steps += 1
         for _ in range(3):
             await asyncio.sleep(0)  # the client's pump reads the channels
+        if rig.loop is not None:
+            await asyncio.sleep(0.0002)
         if not cancelled and len(streams.get("cancel", [])) >= CANCEL_AFTER:
             client.cancel(ids["cancel"])
             cancelled = True
-        if steps > max(w[1] for w in workload) and all(t.done() for t in tasks.values()):
+        if not pending and all(t.done() for t in tasks.values()):
             return streams, steps
         assert time.monotonic() < deadline, f"workload not done after {steps} steps"
 
 
 async def run_workload(
-    workload, *, real_forward: bool = False, geometry: LoopGeometry = GEOMETRY
+    workload, *, target: str = "cpu", geometry: LoopGeometry = GEOMETRY
 ) -> tuple[dict, LoopStep, int]:
-    ckpt = checkpoint()
-    cfg = ckpt.config
-    with shm_region(RING) as transport:
-        region = RingRegion.attach(transport, RING)
-        ring, layout = region_tensor(transport), RingLayout.of(RING)
-        if real_forward:
-            weights = GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, "cpu")
-            loop = LoopStep.build(cfg, weights, ring, layout, geometry, "cpu", torch.float32, engine_seed=7)
-        else:
-            loop = LoopStep.assemble(geometry, ReferenceStepForward(geometry), ring, layout, engine_seed=7)
-        region.store("engine_heartbeat_ns", time.monotonic_ns())
-        region.store("engine_state", EngineState.RUNNING)
-        client = EngineClient.attach(transport, RING, dead_after_s=600.0)
+    """`target`: "cpu" (ReferenceStepForward), "cpu-real" (the interpreted GpuForward), "cuda-host"
+    or "cuda-loop" (the real forward on the GPU, host-driven or in the device loop)."""
+    if target == "cpu":
+        rig = LoopRig.build(RING, geometry, forward=ReferenceStepForward(geometry))
+    else:
+        device = "cpu" if target == "cpu-real" else "cuda"
+        rig = LoopRig.build(
+            RING, geometry, checkpoint=checkpoint(), device=device, in_loop=target == "cuda-loop"
+        )
+    try:
+        rig.start()
+        client = rig.client()
         await client.start()
         try:
-            streams, steps = await serve(loop, region, client, workload)
+            streams, steps = await serve(rig, client, workload)
         finally:
             await client.close()
-        return streams, loop, steps
+        rig.stop()
+        assert rig.step.state.problems() == []
+        return streams, rig.step, steps
+    finally:
+        rig.close()
 
 
 @functools.cache
@@ -203,10 +217,16 @@ def reference() -> dict[str, list[int]]:
     return reference_streams()
 
 
-async def test_loop_streams_equal_the_reference_engine():
+TARGETS = ["cuda-host", "cuda-loop"] if torch.cuda.is_available() else ["cpu"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+async def test_loop_streams_equal_the_reference_engine(target):
+    if target.startswith("cuda") and not HAVE_GPU_STACK:
+        pytest.skip("needs cupy and cuda-bindings (the GPU extra)")
     ref = reference()
     workload = [*WORKLOAD, stop_token_case(ref)]
-    streams, loop, _ = await run_workload(workload)
+    streams, loop, _ = await run_workload(workload, target=target)
 
     for name, events in streams.items():
         assert events, name
@@ -240,14 +260,116 @@ async def test_loop_streams_equal_the_reference_engine():
 
 
 @pytest.mark.slow
+@cpu_only
 async def test_loop_with_the_real_gpu_forward_matches_the_reference():
     """LoopStep.build's GpuForward (interpreted Triton, ~20 s per step): prefill + one decode."""
     geometry = dataclasses.replace(GEOMETRY, buckets=(16,))  # one bucket: no split-KV programs
     tokens = prompt(9, 5)
     streams, loop, steps = await run_workload(
-        [("two", 0, tokens, greedy(2))], real_forward=True, geometry=geometry
+        [("two", 0, tokens, greedy(2))], target="cpu-real", geometry=geometry
     )
     model = build_model(checkpoint(), torch.float32, "cpu")
     want = LLMEngine(model, EngineConfig(seed=0, **ENGINE)).generate([Request(0, tokens, greedy(2))])[0]
     assert [e.token_id for e in streams["two"]] == want and streams["two"][-1].finished
     assert steps == 2 and loop.graphs is None
+
+
+# The geometry of bench/loop_cpu_time.py's batch-64 run (num_slots 128, 64 sequences, a 512-token
+# budget, 16-token blocks) with a small KV pool: 64 requests at once fill the batch over several
+# steps of admission, decode together and release together.
+WIDE_RING = RingGeometry(
+    request_slots=64,
+    arena_tokens=4096,
+    max_prompt_tokens=64,
+    max_inflight=128,
+    max_output_tokens=32,
+    max_stop_ids=4,
+)
+WIDE = LoopGeometry(
+    num_slots=128, max_num_seqs=64, max_num_batched_tokens=512, buckets=(8, 32, 128, 512), block_size=16,
+    num_kv_blocks=600, max_model_len=1024, max_stop_ids=4, vocab_size=512, eos_token_ids=(2,),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("arrivals", ["at-once", "trickle"])
+@pytest.mark.parametrize("target", TARGETS)
+async def test_sixty_four_requests_keep_the_bookkeeping_consistent_every_step(target, arrivals):
+    """Host-driven, the state is checked after every step; in the device loop, after shutdown. On
+    the GPU the program's lanes span several warps here (128 slots), unlike the small geometry."""
+    if target.startswith("cuda") and not HAVE_GPU_STACK:
+        pytest.skip("needs cupy and cuda-bindings (the GPU extra)")
+    if target == "cpu":
+        rig = LoopRig.build(WIDE_RING, WIDE, forward=ReferenceStepForward(WIDE))
+    else:
+        rig = LoopRig.build(
+            WIDE_RING, WIDE, checkpoint=checkpoint(), device="cuda", in_loop=target == "cuda-loop"
+        )
+    rng = random.Random(3)
+    state, steps, peak, submitted = rig.step.state, 0, 0, 0
+    streams: dict[int, list] = {}
+    try:
+        rig.start()
+        client = rig.client()
+        await client.start()
+
+        async def collect(rid: int) -> None:
+            async for event in client.stream(rid):
+                streams[rid].append(event)
+
+        tasks = []
+        while submitted < 64 or not all(t.done() for t in tasks):
+            rig.heartbeat()  # a client started after the last beat waits for a fresh one
+            for _ in range(min(64 - submitted, 64 if arrivals == "at-once" else rng.choice([0, 1, 1, 2, 3]))):
+                rid = client.submit(prompt(submitted, 16), greedy(24))
+                streams[rid] = []
+                tasks.append(asyncio.create_task(collect(rid)))
+                submitted += 1
+            rig.beat()
+            steps += 1
+            if rig.loop is None:
+                assert state.problems() == [], f"after step {steps}"
+                peak = max(peak, WIDE.num_kv_blocks - int(state.free_top[0]))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if rig.loop is not None:
+                await asyncio.sleep(0.0005)
+            assert steps < (200 if rig.loop is None else 20000)
+        await client.close()
+        rig.stop()
+    finally:
+        rig.close()
+    assert state.problems() == []
+    if arrivals == "at-once" and rig.loop is None:
+        assert peak == 64 * 3  # 16 prompt + 24 generated tokens: 3 blocks each, all held at once
+    assert [len(s) for s in streams.values()] == [24] * 64
+    assert all(sum(e.finished for e in s) == 1 for s in streams.values())
+    counters = state.counters.tolist()
+    assert counters[COUNTER_INDEX["generated_tokens"]] == 64 * 24
+    assert counters[COUNTER_INDEX["requests_admitted"]] == counters[COUNTER_INDEX["requests_finished"]] == 64
+    assert int(state.free_top[0]) == WIDE.num_kv_blocks and int(state.num_active[0]) == 0
+
+
+def test_state_problems_name_a_double_release_a_leak_and_shared_run_orders():
+    state = DeviceState.allocate(WIDE, "cpu")
+    assert state.problems() == []
+    state.block_table[5, :2] = torch.tensor([7, 8], dtype=torch.int32)  # taken off the stack below
+    state.num_blocks[5] = 2
+    state.slot_state[5] = SlotState.RUNNING
+    state.free_top[0] = WIDE.num_kv_blocks - 2
+    state.free_blocks[: WIDE.num_kv_blocks - 2] = torch.tensor(
+        [b for b in range(WIDE.num_kv_blocks) if b not in (7, 8)], dtype=torch.int32
+    )
+    assert state.problems() == []
+    state.free_blocks[WIDE.num_kv_blocks - 2] = 7  # released again: pushed while still in the table
+    state.free_top[0] += 1
+    assert "held twice e.g. [7]" in state.problems()[0]
+    state.free_top[0] = WIDE.num_kv_blocks + 1
+    assert state.problems() == [f"free_top {WIDE.num_kv_blocks + 1} outside [0, {WIDE.num_kv_blocks}]"]
+    state.free_top[0] = WIDE.num_kv_blocks - 3  # one block neither free nor held
+    assert "1 missing" in state.problems()[0]
+    state.free_top[0] = WIDE.num_kv_blocks - 2
+    state.slot_state[5] = SlotState.WAITING
+    assert state.problems() == ["slot 5 is WAITING but holds 2 blocks"]
+    state.slot_state[5] = state.slot_state[9] = SlotState.RUNNING
+    state.run_order[5] = state.run_order[9] = 3  # the schedule ranks RUNNING slots by run order
+    assert state.problems() == ["RUNNING slots share run orders, e.g. [3]"]

@@ -115,7 +115,7 @@ class DeviceCommit:
             BLOCK_B=min(64, triton.next_power_of_2(g.max_blocks_per_seq)),
             GENERATED=COUNTER_INDEX["generated_tokens"],
             FINISHED=COUNTER_INDEX["requests_finished"],
-            DEVICE_CLOCK=self.device_clock,
+            ON_GPU=self.device_clock,
         )
         for name, value in (("chan_prog", layout.chan_prog), ("chan_stat", layout.chan_stat)):
             if value % 8:

@@ -55,6 +55,9 @@ class DeviceScheduler:
         # [block_d + block_s]: block-table columns the last forward step wrote (the first writes all).
         self.scratch = torch.zeros(block_d + block_s + 1, dtype=torch.int32, device=device)
         self.scratch[-1] = g.max_blocks_per_seq
+        block_r = min(RECORDS_PER_LAUNCH, block_d)
+        # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
+        self.snap = torch.zeros(2 + 3 * block_r + block_d, dtype=torch.int64, device=device)
         s = state
         self._args = (
             ring,
@@ -68,7 +71,7 @@ class DeviceScheduler:
             s.next_run_order, s.counters,
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start,
             inputs.context_lens, inputs.block_tables, inputs.sample_rows,
-            self.buckets, self.scratch, engine_seed,
+            self.buckets, self.scratch, self.snap, engine_seed,
         )  # fmt: skip
         # Inline PTX (acquire/release on the ring) only where the kernel is compiled for a GPU.
         ring_asm = device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -81,7 +84,7 @@ class DeviceScheduler:
             OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,
             OFF_CTL=layout.chan_ctl, OFF_PROG=layout.chan_prog,
             BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_S1=_pow2(g.max_num_seqs + 1),
-            BLOCK_R=min(RECORDS_PER_LAUNCH, _pow2(g.num_slots)), BLOCK_STOP=_pow2(rg.max_stop_ids),
+            BLOCK_R=block_r, BLOCK_STOP=_pow2(rg.max_stop_ids),
             BLOCK_J=BLOCK_TILE, BLOCK_P=min(PROMPT_TILE, _pow2(rg.max_prompt_tokens)),
             BLOCK_T=min(TOKEN_TILE, _pow2(g.max_num_batched_tokens)), BLOCK_C=min(64, _pow2(g.max_blocks_per_seq)),
             BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)), RING_ASM=ring_asm,

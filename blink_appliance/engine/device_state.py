@@ -183,6 +183,44 @@ class DeviceState:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def problems(self) -> list[str]:
+        """What is wrong with the loop's bookkeeping, read back to the host (a sync): the free stack
+        [0, free_top) and the tables of the slots holding blocks must hold every block id exactly
+        once, a FREE or WAITING slot holds none, and RUNNING slots have distinct run orders (the
+        schedule ranks them by it). Empty when consistent; for tests and stress checks between
+        iterations, never on the token path."""
+        n = self.free_blocks.numel()
+        top = int(self.free_top[0])
+        if not 0 <= top <= n:
+            return [f"free_top {top} outside [0, {n}]"]
+        held = self.num_blocks.cpu()
+        states = self.slot_state.cpu()
+        problems = []
+        tables = self.block_table.cpu()
+        ids = self.free_blocks[:top].cpu().tolist()
+        for s in range(held.numel()):
+            k = int(held[s])
+            if k and states[s] in (SlotState.FREE, SlotState.WAITING):
+                problems.append(f"slot {s} is {SlotState(int(states[s])).name} but holds {k} blocks")
+            ids += tables[s, :k].tolist()
+            if (tables[s, k:] != -1).any():
+                problems.append(f"slot {s} has table entries past its {k} blocks")
+        running = states == SlotState.RUNNING
+        orders = self.run_order.cpu()[running].tolist()
+        if len(set(orders)) != len(orders):
+            twice = sorted({o for o in orders if orders.count(o) > 1})[:8]
+            problems.append(f"RUNNING slots share run orders, e.g. {twice}")
+        if sorted(ids) != list(range(n)):
+            seen: dict[int, int] = {}
+            for b in ids:
+                seen[b] = seen.get(b, 0) + 1
+            twice = sorted(b for b, c in seen.items() if c > 1)[:8]
+            missing = len(set(range(n)) - set(ids))
+            problems.append(
+                f"{len(ids)} block ids held for {n} blocks: {missing} missing, held twice e.g. {twice}"
+            )
+        return problems
+
 
 # Loop counters (DeviceState.counters), cumulative; the host copies them into the ring's telemetry
 # words (ring_layout.TELEMETRY_FIELDS) without touching the token path.

@@ -404,7 +404,7 @@ def build_loop_server(
             offset: Callable[[], int] | None = clock_offset_ns
         else:
             # The region's own bytes; the commit kernel stamps host time itself under the interpreter.
-            ring_bytes = torch.frombuffer(transport._buf, dtype=torch.uint8)  # noqa: SLF001
+            ring_bytes = torch.frombuffer(transport.buffer, dtype=torch.uint8)
             offset = None
         weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
         step = LoopStep.build(

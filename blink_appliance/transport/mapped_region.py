@@ -94,7 +94,7 @@ class MappedRegion:
     def of_transport(cls, transport: ShmTransport, device: torch.device | str) -> MappedRegion:
         """Map the region of a shared-memory transport (offsets as in ring_layout)."""
         # ShmTransport exposes no buffer publicly; the region view is the one it reads and writes.
-        return cls(transport._buf, device)  # noqa: SLF001
+        return cls(transport.buffer, device)
 
     # -- device views ---------------------------------------------------------------------------
     def tensor(self, offset: int, dtype: torch.dtype, count: int) -> torch.Tensor:

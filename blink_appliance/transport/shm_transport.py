@@ -130,6 +130,13 @@ class ShmTransport(Transport):
     def size(self) -> int:
         return self._size
 
+    @property
+    def buffer(self) -> memoryview:
+        """The region's bytes, for those that access it in place (the loop's kernels, through a tensor
+        over it or its GPU mapping). Valid until close()."""
+        self._check_open()
+        return self._buf
+
     def read(self, offset: int, nbytes: int) -> bytes:
         self._check_open()
         self._check(offset, nbytes)
