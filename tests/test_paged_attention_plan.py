@@ -66,7 +66,7 @@ def test_paged_attention_matches_per_token_loop():
     v_cache = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=g)
     q = torch.randn(batch.num_tokens, HEADS, DIM, generator=g)
 
-    got = paged_attention(q, k_cache, v_cache, plan_attention(batch, BLOCK), scale=DIM**-0.5)
+    got = paged_attention(q, k_cache, v_cache, plan_attention(batch, BLOCK, torch.float32), scale=DIM**-0.5)
     want = _per_token_reference(q, k_cache, v_cache, batch)
     assert (got - want).abs().max().item() < 1e-5
     assert not got[-2:].any()  # padding rows
@@ -74,11 +74,13 @@ def test_paged_attention_matches_per_token_loop():
 
 def test_plan_writes_only_real_rows():
     batch = _batch()
-    plan = plan_attention(batch, BLOCK)
+    plan = plan_attention(batch, BLOCK, torch.float32)
     real = batch.num_tokens - 2
     assert plan.write_rows.tolist() == list(range(real))
     assert plan.write_slots.tolist() == batch.slot_mapping[:real].tolist()
     assert [g.key_slots.shape[0] for g in plan.groups] == [3, 2]  # decode group, then prefill group
 
     unpadded = ForwardBatch(**{**batch.__dict__, "slot_mapping": batch.slot_mapping[:real]})
-    assert plan_attention(unpadded, BLOCK).write_rows is None  # every row writes: no gather per layer
+    assert (
+        plan_attention(unpadded, BLOCK, torch.float32).write_rows is None
+    )  # every row writes: no gather per layer

@@ -81,10 +81,10 @@ class QueryGroup:
     """
 
     rows: torch.Tensor  # [S, max_q] int64: row of each query in the flat batch
-    valid_rows: torch.Tensor  # [N] int64: the rows of the real queries, in [S, max_q] order
-    valid: torch.Tensor  # [S, max_q] bool: which entries of `rows` are real queries
+    valid_entries: torch.Tensor  # [N] int64: which entries of the flattened [S * max_q] are real queries
+    valid_rows: torch.Tensor  # [N] int64: their rows in the flat batch
     key_slots: torch.Tensor  # [S, max_ctx] int64: cache slot of each key position, 0 past the context
-    mask: torch.Tensor  # [S, 1, max_q, max_ctx] bool: causal, and only keys inside the context
+    mask: torch.Tensor  # [S, 1, max_q, max_ctx] additive (0 or -inf): causal, only keys inside the context
 
 
 @dataclass
@@ -100,7 +100,7 @@ class AttentionPlan:
     groups: list[QueryGroup]
 
 
-def _query_group(batch: ForwardBatch, seqs: torch.Tensor, block_size: int) -> QueryGroup:
+def _query_group(batch: ForwardBatch, seqs: torch.Tensor, block_size: int, dtype: torch.dtype) -> QueryGroup:
     starts = batch.query_start[:-1].to(torch.int64)[seqs]
     n_q = batch.query_start[1:].to(torch.int64)[seqs] - starts
     n_ctx = batch.context_lens.to(torch.int64)[seqs]
@@ -111,11 +111,15 @@ def _query_group(batch: ForwardBatch, seqs: torch.Tensor, block_size: int) -> Qu
     blocks = batch.block_tables[seqs][:, k_pos // block_size].to(torch.int64)
     key_slots = torch.where(k_pos[None, :] < n_ctx[:, None], blocks * block_size + k_pos % block_size, 0)
     # A query at position p sees keys 0..p; p < context_len, so keys past the context stay masked.
-    mask = k_pos[None, None, :] <= batch.positions[rows][:, :, None]
-    return QueryGroup(rows, rows[valid], valid, key_slots, mask[:, None])
+    visible = k_pos[None, None, :] <= batch.positions[rows][:, :, None]
+    # Additive rather than boolean: SDPA would convert a boolean mask again in every layer.
+    mask = torch.zeros(visible.shape, dtype=dtype, device=seqs.device).masked_fill_(~visible, -math.inf)
+    valid_entries = valid.flatten().nonzero()[:, 0]
+    return QueryGroup(rows, valid_entries, rows.flatten()[valid_entries], key_slots, mask[:, None])
 
 
-def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+def plan_attention(batch: ForwardBatch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
+    """dtype: the queries' (the mask is added to their scores)."""
     written = batch.slot_mapping >= 0
     if bool(written.all()):
         write_rows, write_slots = None, batch.slot_mapping
@@ -126,8 +130,13 @@ def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
     groups = []
     for seqs in ((n_q == 1).nonzero()[:, 0], (n_q > 1).nonzero()[:, 0]):  # empty sequences attend nowhere
         if seqs.numel():
-            groups.append(_query_group(batch, seqs, block_size))
+            groups.append(_query_group(batch, seqs, block_size, dtype))
     return AttentionPlan(write_rows, write_slots, groups)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for an integer index of any shape, through index_select (aten::index is slower on the CPU)."""
+    return x.index_select(0, index.flatten()).view(*index.shape, *x.shape[1:])
 
 
 def paged_attention(
@@ -142,12 +151,14 @@ def paged_attention(
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     for g in plan.groups:
-        keys = flat_k[g.key_slots].transpose(1, 2)  # [S, n_kv, max_ctx, D]
-        values = flat_v[g.key_slots].transpose(1, 2)
+        keys = gather_rows(flat_k, g.key_slots).transpose(1, 2)  # [S, n_kv, max_ctx, D]
+        values = gather_rows(flat_v, g.key_slots).transpose(1, 2)
+        queries = gather_rows(q, g.rows).transpose(1, 2)  # [S, n_heads, max_q, D]
         attn = F.scaled_dot_product_attention(
-            q[g.rows].transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True
+            queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True
         )  # [S, n_heads, max_q, D]
-        out[g.valid_rows] = attn.transpose(1, 2)[g.valid]
+        attn = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
+        out.index_copy_(0, g.valid_rows, attn.index_select(0, g.valid_entries))
     return out
 
 
@@ -184,7 +195,7 @@ class Attention(nn.Module):
 
         # Write this step's K/V first so that a token attends to itself and earlier tokens of its chunk.
         if plan.write_rows is not None:
-            k, v = k[plan.write_rows], v[plan.write_rows]
+            k, v = k.index_select(0, plan.write_rows), v.index_select(0, plan.write_rows)
         k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, k)
         v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, v)
 
@@ -263,7 +274,7 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
-        plan = plan_attention(batch, kv.block_size)  # once per step, not once per layer
+        plan = plan_attention(batch, kv.block_size, x.dtype)  # once per step, not once per layer
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, plan, kv.k[i], kv.v[i])
         h = self.model.norm(x[batch.sample_rows])
