@@ -16,6 +16,11 @@ an EngineClient on the same ring, `dummy:tiny` fp32 unless --model says otherwis
    right after submission or after its first token); bursts larger than the request ring, so
    submissions meet a full ring (EngineBusyError) and retry. Every request must end with exactly one
    terminal event; then shutdown must return within a second and every block must be back.
+3. smollm2-bf16: SmolLM2-shaped random weights in bf16 in the device loop, prompts of mixed lengths,
+   half arriving while the others decode: greedy streams against the CPU reference engine (fp32, the
+   same weights) on the leading tokens, and a seeded sampled workload run in two fresh loops.
+Extra phases for chasing a loop bug: kv-loop-presubmit (records in the ring before the launch),
+kv-loop-checked (Tripwire below), --trickle (arrivals spread over the run instead of 64 at once).
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ sys.path.insert(0, str(ROOT))
 
 from blink_appliance.engine.device_loop import DeviceLoop  # noqa: E402
 from blink_appliance.engine.device_state import COUNTER_INDEX, LoopGeometry  # noqa: E402
+from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from blink_appliance.engine.loop_control import LoopControl  # noqa: E402
 from blink_appliance.engine.loop_rig import LoopRig  # noqa: E402
-from blink_appliance.engine.request import FinishReason, SamplingParams  # noqa: E402
-from blink_appliance.model.loaders import load_checkpoint  # noqa: E402
+from blink_appliance.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
+from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
 from blink_appliance.transport.engine_client import EngineBusyError  # noqa: E402
 from blink_appliance.transport.mapped_region import RingWords  # noqa: E402
 from blink_appliance.transport.ring_layout import EngineState, RingGeometry  # noqa: E402
@@ -153,7 +159,7 @@ async def kv_run(
     def submit(k: int) -> None:
         nonlocal submitted
         for _ in range(min(k, 64 - submitted)):
-            params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
             rid = client.submit(prompt(submitted, PROMPT, vocab), params)
             streams[rid] = []
             tasks.append(asyncio.create_task(collect(rid)))
@@ -245,7 +251,7 @@ async def soak(rig: LoopRig, args: argparse.Namespace, vocab: int) -> dict:
             params = SamplingParams(
                 max_tokens=rng.randint(1, 24),
                 ignore_eos=True,
-                **({"temperature": 0.8, "top_k": 50, "seed": i} if i % 3 == 0 else {}),
+                **({"temperature": 0.8, "top_k": 50, "seed": i} if i % 3 == 0 else {"temperature": 0.0}),
             )
             while True:
                 rig.beat()
@@ -298,6 +304,85 @@ async def soak(rig: LoopRig, args: argparse.Namespace, vocab: int) -> dict:
     }
 
 
+SMOL_PROMPTS = (3, 9, 17, 33, 64, 100, 5, 250)  # prompt lengths; the last four arrive while the first decode
+
+
+async def serve_small(rig: LoopRig, vocab: int, params: SamplingParams, arrivals: bool) -> list[list[int]]:
+    """SMOL_PROMPTS through the running loop; with `arrivals` half of them arrive once the first has 2
+    tokens (the batches then depend on timing), else all are in the ring before the launch."""
+    client = rig.client()
+    await client.start()
+    streams: list[list] = [[] for _ in SMOL_PROMPTS]
+
+    async def collect(rid: int, into: list) -> None:
+        async for event in client.stream(rid):
+            into.append(event)
+
+    if arrivals:
+        rig.start()
+    else:
+        rig.heartbeat()
+        rig.region.store("engine_state", EngineState.RUNNING)
+    tasks = []
+    for i, n in enumerate(SMOL_PROMPTS):
+        if i == 4 and arrivals:
+            while len(streams[0]) < 2:
+                rig.beat()
+                await asyncio.sleep(0.0005)
+        rig.heartbeat()
+        tasks.append(asyncio.create_task(collect(client.submit(prompt(i, n, vocab), params), streams[i])))
+    if not arrivals:
+        rig.start()
+    while not all(t.done() for t in tasks):
+        rig.beat()
+        await asyncio.sleep(0.001)
+    rig.stop()
+    await client.close()
+    assert all(sum(e.finished for e in s) == 1 for s in streams)
+    return [[e.token_id for e in s if e.token_id is not None] for s in streams]
+
+
+def smollm2_bf16(args: argparse.Namespace) -> dict:
+    """SmolLM2-shaped random weights in bf16 through the device loop: greedy streams (half the requests
+    arriving mid-run) against the CPU reference engine (fp32, the same weights) on the first tokens,
+    and seeded sampled streams of two separate loops (fresh state each, the same requests queued
+    before the launch, so the batches are the same) against each other."""
+    ckpt = load_checkpoint("dummy:smollm2-135m", seed=0)
+    cfg = ckpt.config
+    g = geometry(cfg.vocab_size, tuple(cfg.eos_token_ids)[:8], args.num_kv_blocks)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_k=40, top_p=0.9, seed=11)
+    runs = {}
+    for name, params in (("greedy", greedy), ("sampled-1", sampled), ("sampled-2", sampled)):
+        rig = LoopRig.build(RING, g, checkpoint=ckpt, dtype=torch.bfloat16, device="cuda", in_loop=True)
+        try:
+            runs[name] = asyncio.run(serve_small(rig, cfg.vocab_size, params, arrivals=name == "greedy"))
+            problems = rig.step.state.problems()
+        finally:
+            rig.close()
+        assert problems == [], problems
+    model = build_model(ckpt, torch.float32, "cpu")
+    config = EngineConfig(block_size=16, num_kv_blocks=256, max_num_seqs=8, max_model_len=1024, seed=0)
+    reference = [
+        LLMEngine(model, config).generate([Request(0, prompt(i, n, cfg.vocab_size), greedy)])[0]
+        for i, n in enumerate(SMOL_PROMPTS)
+    ]
+    leading = []
+    for got, want in zip(runs["greedy"], reference, strict=True):
+        k = 0
+        while k < len(want) and k < len(got) and got[k] == want[k]:
+            k += 1
+        leading.append(k)
+    return {
+        "prompt_lengths": list(SMOL_PROMPTS),
+        "greedy_leading_tokens_equal_to_fp32_reference": leading,
+        "first_token_equal": sum(k >= 1 for k in leading),
+        "first_4_tokens_equal": sum(k >= 4 for k in leading),
+        "sampled_equal_run_to_run": runs["sampled-1"] == runs["sampled-2"],
+        "sampled_differs_from_greedy": runs["sampled-1"] != runs["greedy"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:tiny")
@@ -309,8 +394,8 @@ def main() -> None:
     ap.add_argument(
         "--phases",
         nargs="+",
-        default=["kv-host", "kv-loop", "soak"],
-        help="kv-host, kv-loop, kv-loop-presubmit, kv-loop-checked, soak",
+        default=["kv-host", "kv-loop", "soak", "smollm2-bf16"],
+        help="kv-host, kv-loop, kv-loop-presubmit, kv-loop-checked, soak, smollm2-bf16",
     )
     ap.add_argument(
         "--trickle", action="store_true", help="kv phases: 0-3 arrivals per host tick, not 64 at once"
@@ -324,6 +409,11 @@ def main() -> None:
     results = {}
     for phase in args.phases:
         t0 = time.monotonic()
+        if phase == "smollm2-bf16":
+            results[phase] = smollm2_bf16(args)
+            results[phase]["wall_s"] = round(time.monotonic() - t0, 1)
+            print(phase, json.dumps(results[phase]), flush=True)
+            continue
         checked = phase == "kv-loop-checked"
         in_loop = phase not in ("kv-host", "kv-loop-checked")
         rig = LoopRig.build(RING, g, checkpoint=ckpt, dtype=dtype, device="cuda", in_loop=in_loop)
