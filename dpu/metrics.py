@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from blink_appliance.telemetry.latency import TokenLatencyTracker
 from blink_appliance.telemetry.snapshot import engine_counters_from
+from blink_appliance.transport.ring_layout import STEP_TIME_BOUNDS_US, STEP_TIME_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +38,15 @@ class _EngineGauges(Collector):
         self._read = read
         self._alive = alive
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         alive = GaugeMetricFamily(
             "blink_engine_alive", "1 while the engine answers on the ring", labels=["model_name"]
         )
         alive.add_metric([self._model], 1.0 if self._alive() else 0.0)
         yield alive
         try:
-            counters = engine_counters_from(self._read())
+            raw = self._read()
+            counters = engine_counters_from(raw)
         except Exception as e:  # engine restarting: report liveness only, never invented numbers
             log.debug("engine telemetry unavailable: %s", e)
             return
@@ -56,6 +59,17 @@ class _EngineGauges(Collector):
                 g = GaugeMetricFamily(name, doc, labels=["model_name"])
                 g.add_metric([self._model], float(value))
                 yield g
+        counts = [raw.get(name) for name in STEP_TIME_FIELDS]
+        if all(c is not None for c in counts):  # the engine's own step-time histogram (ring telemetry)
+            h = HistogramMetricFamily(
+                "blink_engine_step_seconds",
+                "Engine step time: schedule to commit on the GPU loop, one engine step on the CPU",
+                labels=["model_name"],
+            )
+            bounds = [floatToGoString(b / 1e6) for b in STEP_TIME_BOUNDS_US] + ["+Inf"]
+            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+            h.add_metric([self._model], list(zip(bounds, cumulative, strict=True)), None)
+            yield h
 
 
 class ServingMetrics:

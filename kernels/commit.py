@@ -18,7 +18,9 @@ publication protocol is docs/protocol.md ("Publication order", GPU paragraph).
    pushes its block table onto the free-list stack in reverse (engine/block_allocator.py's order:
    the next pop hands the same ids back in the same order), clears its table to -1 and becomes FREE.
 4. Counters: generated_tokens, requests_finished (every terminal except finish_reason ERROR, i.e.
-   rejected records); num_active -= released; keep_running = (shutdown_seen == 0).
+   rejected records); num_active -= released; keep_running = (shutdown_seen == 0). When the
+   iteration ran a forward (step_num_tokens > 0): last_step_ns = now - step_start_ns (schedule's
+   stamp) and one more step in its step_time_hist bucket (ring_layout.STEP_TIME_BOUNDS_US).
 
 Barriers order the program's own threads (a release by one thread after a CTA barrier covers the
 other threads' earlier stores: PTX release is cumulative). The clock is %globaltimer plus
@@ -104,10 +106,12 @@ def _commit_kernel(
     free_blocks_ptr, free_top_ptr, num_active_ptr, shutdown_seen_ptr, keep_running_ptr,
     clock_offset_ptr, host_clock_ptr, counters_ptr, eos_ptr,
     ring64_ptr, ring32_ptr, tokens_at, times_at, prog_at, stat_at,
+    step_start_ptr, step_num_tokens_ptr, step_time_hist_ptr, step_bounds_ptr,
     S, D, max_output_tokens, max_inflight,
     MAX_STOP: tl.constexpr, BLOCK_STOP: tl.constexpr, MAX_EOS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
     MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-    GENERATED: tl.constexpr, FINISHED: tl.constexpr, ON_GPU: tl.constexpr,
+    GENERATED: tl.constexpr, FINISHED: tl.constexpr, LAST_STEP: tl.constexpr,
+    NUM_STEP_BUCKETS: tl.constexpr, BLOCK_H: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
     now = _now(host_clock_ptr, clock_offset_ptr, ON_GPU)
     final_bit = tl.full([], 1, tl.int64) << 63
@@ -117,6 +121,13 @@ def _commit_kernel(
     generated_before = tl.load(counters_ptr + GENERATED)
     finished_before = tl.load(counters_ptr + FINISHED)
     active_before = tl.load(num_active_ptr)
+    h = tl.arange(0, BLOCK_H)
+    hist = tl.load(step_time_hist_ptr + h, mask=h < NUM_STEP_BUCKETS, other=0)
+    last_step = tl.load(counters_ptr + LAST_STEP)
+    ran = tl.load(step_num_tokens_ptr) > 0
+    step_ns = now - tl.load(step_start_ptr)
+    bounds = tl.load(step_bounds_ptr + h, mask=h < NUM_STEP_BUCKETS - 1, other=0)
+    bucket = tl.sum(((h < NUM_STEP_BUCKETS - 1) & (step_ns > bounds)).to(tl.int32), 0)
 
     # -- 1. sampled rows -----------------------------------------------------------------------------
     r = tl.arange(0, BLOCK_S)
@@ -213,6 +224,8 @@ def _commit_kernel(
     tl.store(counters_ptr + FINISHED, finished_before + counted)
     tl.store(num_active_ptr, active_before - n_finished - n_closed)
     tl.store(keep_running_ptr, keep_running)
+    tl.store(step_time_hist_ptr + h, hist + ((h == bucket) & ran).to(tl.int64), mask=h < NUM_STEP_BUCKETS)
+    tl.store(counters_ptr + LAST_STEP, tl.where(ran, step_ns, last_step))
 
 
 def launch_commit(args: tuple, constexprs: dict) -> None:

@@ -226,6 +226,8 @@ def schedule_kernel(
     sample_rows_ptr,
     # the scheduler's own: bucket sizes, scratch, seed for requests without one
     buckets_ptr, scratch_ptr, snap_ptr, engine_seed,
+    # the step's start time: %globaltimer + clock_offset on the GPU, else the host clock (interpreter)
+    step_start_ptr, clock_offset_ptr, host_clock_ptr,
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
@@ -254,6 +256,14 @@ def schedule_kernel(
     nb_d = tl.load(num_blocks_ptr + offs_d, mask=md, other=0)
     ch_d = tl.load(chan_ptr + offs_d, mask=md, other=-1)
     gen_d = tl.load(generation_ptr + offs_d, mask=md, other=0)
+    # The step's start, for commit's step time (nothing here reads it back).
+    if RING_ASM:
+        now = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        ) + tl.load(clock_offset_ptr)
+    else:
+        now = tl.load(host_clock_ptr)
+    tl.store(step_start_ptr, now)
     # Read here, written back once at the end (module docstring: one-element updates and warps).
     top = tl.load(free_top_ptr)
     next_arrival = tl.load(next_arrival_ptr)

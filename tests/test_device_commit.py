@@ -7,6 +7,7 @@ checks read back what a front end would see. Without a GPU it runs under Triton'
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,14 @@ from blink_appliance.engine.device_state import (  # noqa: E402
     SlotState,
 )
 from blink_appliance.transport.region import RingRegion  # noqa: E402
-from blink_appliance.transport.ring_layout import FINAL_BIT, ErrorCode, RingGeometry, RingLayout  # noqa: E402
+from blink_appliance.transport.ring_layout import (  # noqa: E402
+    FINAL_BIT,
+    STEP_TIME_BOUNDS_US,
+    ErrorCode,
+    RingGeometry,
+    RingLayout,
+    step_time_bucket,
+)
 from tests.test_ring_support import shm_region  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU region tensor; the GPU maps it (B1)")
@@ -218,3 +226,23 @@ def test_channel_of_a_row_is_published_in_order_words_are_final_last():
             assert bool(count & FINAL_BIT) == (n == 3)
             assert region.load_progress(5, "done") == (105 if n == 3 else 0)
         assert np.array_equal(state.token_ids[0, :6].numpy(), np.array([3, 4, *stream], dtype=np.int32))
+
+
+def test_a_step_that_ran_a_forward_is_timed_into_the_histogram_an_idle_one_is_not():
+    with shm_region(RING) as transport:
+        state = DeviceState.allocate(GEOMETRY, "cpu")
+        commit = DeviceCommit(GEOMETRY, state, region_tensor(transport), RingLayout.of(RING))
+        last = COUNTER_INDEX["last_step_ns"]
+        state.step_num_tokens[0] = 0  # an idle iteration: nothing to time
+        state.step_start_ns[0] = time.monotonic_ns() - 10**9
+        commit.launch()
+        assert int(state.step_time_hist.sum()) == 0 and int(state.counters[last]) == 0
+        # Step times well inside a bucket: the host stamps the end just before the launch (interpreter).
+        for step_us, bucket in ((600, 5), (3_000, 7), (20_000, 10), (50_000, len(STEP_TIME_BOUNDS_US))):
+            state.step_num_tokens[0] = 8
+            state.step_start_ns[0] = time.monotonic_ns() - step_us * 1000
+            commit.launch()
+            got = int(state.counters[last])
+            assert step_us * 1000 <= got < step_us * 1000 + 300_000, step_us
+            assert step_time_bucket(got) == bucket and int(state.step_time_hist[bucket]) == 1, step_us
+        assert int(state.step_time_hist.sum()) == 4

@@ -207,8 +207,21 @@ async def test_health_models_and_metrics(live):
         "blink_num_requests_waiting",
         "blink_kv_cache_usage_ratio",
         'blink_engine_alive{model_name="smollm2-135m-instruct"} 1.0',
+        'blink_engine_step_seconds_bucket{le="3.2e-05",model_name="smollm2-135m-instruct"}',
     ):
         assert series in text, series
+    # The engine's step-time histogram counts the steps of that completion (telemetry is periodic).
+    steps = 0.0
+    for _ in range(100):
+        async with aiohttp.ClientSession() as s:
+            async with s.get(live.url + "/metrics") as r:
+                text = await r.text()
+        inf = [ln for ln in text.splitlines() if ln.startswith('blink_engine_step_seconds_bucket{le="+Inf"')]
+        steps = float(inf[0].rsplit(" ", 1)[1])
+        if steps >= 3:
+            break
+        await asyncio.sleep(0.05)
+    assert steps >= 3  # a prefill and two decodes at least
 
 
 async def test_telemetry_route_is_served(live):

@@ -26,7 +26,7 @@ from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, Loop
 from blink_appliance.engine.loop_engine_server import LoopEngineServer, LoopSnapshot, telemetry_values
 from blink_appliance.engine.request import FinishReason
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import FINISH_CODES, EngineState, ErrorCode
+from blink_appliance.transport.ring_layout import FINISH_CODES, STEP_TIME_FIELDS, EngineState, ErrorCode
 from tests.test_ring_support import SMALL, RawProducer, shm_region
 
 GEOMETRY = LoopGeometry(
@@ -147,12 +147,16 @@ def test_telemetry_values_from_a_loop_snapshot():
     counters[COUNTER_INDEX["generated_tokens"]] = 77
     counters[COUNTER_INDEX["steps"]] = 9
     counters[COUNTER_INDEX["requests_cancelled"]] = 2
+    counters[COUNTER_INDEX["last_step_ns"]] = 1_500_000
     slots = [SlotState.RUNNING, SlotState.WAITING, SlotState.RUNNING, SlotState.FREE]
-    values = telemetry_values(counters, slots, free_top=10, num_kv_blocks=16)
+    step_times = list(range(len(STEP_TIME_FIELDS)))
+    values = telemetry_values(counters, slots, free_top=10, num_kv_blocks=16, step_times=step_times)
     assert (values["running"], values["waiting"]) == (2, 1)
     assert (values["kv_blocks_used"], values["kv_blocks_total"]) == (6, 16)
     assert (values["generated_tokens"], values["steps"], values["requests_cancelled"]) == (77, 9, 2)
     assert "step_tokens" not in values  # a loop counter the ring's telemetry has no word for
+    assert values["last_step_ns"] == 1_500_000
+    assert [values[f] for f in STEP_TIME_FIELDS] == step_times
 
 
 def test_snapshot_copies_counters_slots_and_free_top():
@@ -160,9 +164,11 @@ def test_snapshot_copies_counters_slots_and_free_top():
     state.counters[COUNTER_INDEX["loop_iterations"]] = 5
     state.slot_state[1] = SlotState.WAITING
     state.free_top.fill_(3)
+    state.step_time_hist[2] = 7
     snap = LoopSnapshot(state)
-    counters, slots, free_top = snap.read()
+    counters, slots, free_top, step_times = snap.read()
     assert counters[COUNTER_INDEX["loop_iterations"]] == 5 and slots[1] == SlotState.WAITING and free_top == 3
+    assert step_times[2] == 7 and sum(step_times) == 7
     state.free_top.fill_(4)
     assert snap.read()[2] == 4  # a fresh copy each time
 

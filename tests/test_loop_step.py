@@ -346,6 +346,9 @@ async def test_sixty_four_requests_keep_the_bookkeeping_consistent_every_step(ta
     counters = state.counters.tolist()
     assert counters[COUNTER_INDEX["generated_tokens"]] == 64 * 24
     assert counters[COUNTER_INDEX["requests_admitted"]] == counters[COUNTER_INDEX["requests_finished"]] == 64
+    # Every iteration that ran a forward was timed into the histogram (schedule start to commit).
+    assert int(state.step_time_hist.sum()) == counters[COUNTER_INDEX["steps"]] > 0
+    assert counters[COUNTER_INDEX["last_step_ns"]] > 0
     assert int(state.free_top[0]) == WIDE.num_kv_blocks and int(state.num_active[0]) == 0
 
 

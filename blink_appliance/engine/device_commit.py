@@ -36,6 +36,7 @@ from blink_appliance.transport.ring_layout import (
     CHANNEL_PROGRESS,
     CHANNEL_STATUS,
     FINISH_CODES,
+    STEP_TIME_BOUNDS_US,
     FinishReason,
     RingLayout,
 )
@@ -91,6 +92,9 @@ class DeviceCommit:
         self.host_clock_ns = torch.zeros(1, dtype=torch.int64, device=device)
         eos = list(geometry.eos_token_ids) + [-1] * (MAX_EOS_IDS - len(geometry.eos_token_ids))
         self._eos = torch.tensor(eos, dtype=torch.int32, device=device)
+        self._step_bounds_ns = torch.tensor(
+            [b * 1000 for b in STEP_TIME_BOUNDS_US], dtype=torch.int64, device=device
+        )
         ring = region[: layout.size]
         self._ring64, self._ring32 = ring.view(torch.int64), ring.view(torch.int32)
         st, g = state, geometry
@@ -102,6 +106,7 @@ class DeviceCommit:
             st.free_blocks, st.free_top, st.num_active, st.shutdown_seen, st.keep_running,
             st.clock_offset_ns, self.host_clock_ns, st.counters, self._eos,
             self._ring64, self._ring32, layout.tokens // 4, layout.times // 8, layout.chan_prog, layout.chan_stat,
+            st.step_start_ns, st.step_num_tokens, st.step_time_hist, self._step_bounds_ns,
             g.max_num_seqs, g.num_slots, layout.geometry.max_output_tokens, layout.geometry.max_inflight,
         )  # fmt: skip
         self._constexprs = dict(
@@ -115,6 +120,9 @@ class DeviceCommit:
             BLOCK_B=min(64, triton.next_power_of_2(g.max_blocks_per_seq)),
             GENERATED=COUNTER_INDEX["generated_tokens"],
             FINISHED=COUNTER_INDEX["requests_finished"],
+            LAST_STEP=COUNTER_INDEX["last_step_ns"],
+            NUM_STEP_BUCKETS=len(STEP_TIME_BOUNDS_US) + 1,
+            BLOCK_H=triton.next_power_of_2(len(STEP_TIME_BOUNDS_US) + 1),
             ON_GPU=self.device_clock,
         )
         for name, value in (("chan_prog", layout.chan_prog), ("chan_stat", layout.chan_stat)):

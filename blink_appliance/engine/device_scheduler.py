@@ -10,6 +10,7 @@ replayed by the device loop. docs/device_loop.md ("schedule") says what one laun
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import triton
@@ -58,6 +59,7 @@ class DeviceScheduler:
         block_r = min(RECORDS_PER_LAUNCH, block_d)
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
         self.snap = torch.zeros(2 + 3 * block_r + block_d, dtype=torch.int64, device=device)
+        self.host_clock_ns = torch.zeros(1, dtype=torch.int64, device=device)  # the interpreter's clock
         s = state
         self._args = (
             ring,
@@ -72,6 +74,7 @@ class DeviceScheduler:
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start,
             inputs.context_lens, inputs.block_tables, inputs.sample_rows,
             self.buckets, self.scratch, self.snap, engine_seed,
+            s.step_start_ns, s.clock_offset_ns, self.host_clock_ns,
         )  # fmt: skip
         # Inline PTX (acquire/release on the ring) only where the kernel is compiled for a GPU.
         ring_asm = device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -89,6 +92,11 @@ class DeviceScheduler:
             BLOCK_T=min(TOKEN_TILE, _pow2(g.max_num_batched_tokens)), BLOCK_C=min(64, _pow2(g.max_blocks_per_seq)),
             BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)), RING_ASM=ring_asm,
         )  # fmt: skip
+        # The step's start stamp: the device clock on the GPU; the host's, written here, when interpreted.
+        self._stamp_host_clock = (lambda: None) if ring_asm else self._stamp_host_clock_now
+
+    def _stamp_host_clock_now(self) -> None:
+        self.host_clock_ns.fill_(time.monotonic_ns())
 
     @staticmethod
     def _check(
@@ -155,4 +163,5 @@ class DeviceScheduler:
 
     def launch(self) -> None:
         """Enqueue one schedule step on the current stream (no sync, no allocation: capturable)."""
+        self._stamp_host_clock()
         schedule_kernel[(1,)](*self._args, **self._constants, num_warps=self.num_warps)

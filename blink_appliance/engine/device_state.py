@@ -35,6 +35,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from blink_appliance.transport.ring_layout import STEP_TIME_FIELDS
+
 
 class SlotState(enum.IntEnum):
     FREE = 0
@@ -145,6 +147,8 @@ class DeviceState:
     next_run_order: torch.Tensor  # [1] int64
     clock_offset_ns: torch.Tensor  # [1] int64: host monotonic ns minus device clock ns, set at boot
     counters: torch.Tensor  # [len(COUNTERS)] int64, see COUNTERS
+    step_start_ns: torch.Tensor  # [1] int64: schedule's clock at the start of this iteration
+    step_time_hist: torch.Tensor  # [len(STEP_TIME_FIELDS)] int64: steps per time bucket (ring_layout)
 
     @classmethod
     def allocate(cls, g: LoopGeometry, device: torch.device | str) -> DeviceState:
@@ -177,7 +181,7 @@ class DeviceState:
             sampled=i64(S),
             num_active=i32(1), shutdown_seen=i32(1), keep_running=i32(1, fill=1), next_arrival=i64(1),
             next_run_order=i64(1), clock_offset_ns=i64(1),
-            counters=i64(len(COUNTERS)),
+            counters=i64(len(COUNTERS)), step_start_ns=i64(1), step_time_hist=i64(len(STEP_TIME_FIELDS)),
         )  # fmt: skip
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -235,5 +239,6 @@ COUNTERS: tuple[str, ...] = (
     "requests_cancelled",
     "step_tokens",  # sum of step_num_tokens (batch size histogram lives on the host side)
     "records_unaddressable",  # ring records with no channel the loop may answer on (counted, skipped)
+    "last_step_ns",  # not cumulative: schedule start to commit of the latest iteration that ran a forward
 )
 COUNTER_INDEX = {name: i for i, name in enumerate(COUNTERS)}

@@ -44,7 +44,7 @@ from blink_appliance.transport.engine_lifecycle import (
     withdraw_shutdown_request,
 )
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import TELEMETRY_FIELDS, EngineState, ErrorCode
+from blink_appliance.transport.ring_layout import STEP_TIME_FIELDS, TELEMETRY_FIELDS, EngineState, ErrorCode
 
 if TYPE_CHECKING:
     from blink_appliance.model.loaders import Checkpoint
@@ -70,7 +70,7 @@ class Closeable(Protocol):
 
 
 class LoopSnapshot:
-    """The loop's counters, slot states and free-block count, copied to host memory.
+    """The loop's counters, slot states, free-block count and step-time histogram, copied to host memory.
 
     On a CUDA device the copies run on a stream of their own into pinned memory and only that
     stream is waited for, so reading never waits for the loop's graph; the values of one snapshot
@@ -79,13 +79,13 @@ class LoopSnapshot:
     """
 
     def __init__(self, state: DeviceState) -> None:
-        self._sources = (state.counters, state.slot_state, state.free_top)
+        self._sources = (state.counters, state.slot_state, state.free_top, state.step_time_hist)
         cuda = state.counters.is_cuda
         self._host = tuple(torch.empty_like(t, device="cpu", pin_memory=cuda) for t in self._sources)
         self._stream = torch.cuda.Stream(state.counters.device) if cuda else None
 
-    def read(self) -> tuple[list[int], list[int], int]:
-        """(counters in COUNTERS order, slot states, free_top)."""
+    def read(self) -> tuple[list[int], list[int], int, list[int]]:
+        """(counters in COUNTERS order, slot states, free_top, steps per step-time bucket)."""
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 for host, source in zip(self._host, self._sources, strict=True):
@@ -94,19 +94,21 @@ class LoopSnapshot:
         else:
             for host, source in zip(self._host, self._sources, strict=True):
                 host.copy_(source)
-        counters, slots, free_top = self._host
-        return counters.tolist(), slots.tolist(), int(free_top[0])
+        counters, slots, free_top, step_times = self._host
+        return counters.tolist(), slots.tolist(), int(free_top[0]), step_times.tolist()
 
 
 def telemetry_values(
-    counters: list[int], slot_states: list[int], free_top: int, num_kv_blocks: int
+    counters: list[int], slot_states: list[int], free_top: int, num_kv_blocks: int, step_times: list[int]
 ) -> dict[str, int]:
-    """The ring's telemetry words (ring_layout.TELEMETRY_FIELDS) from a loop snapshot."""
+    """The ring's telemetry words (ring_layout.TELEMETRY_FIELDS) from a loop snapshot; last_step_ns and
+    the step-time histogram are the device's own (schedule start to commit), in both modes."""
     values = {name: int(counters[i]) for name, i in COUNTER_INDEX.items() if name in TELEMETRY_FIELDS}
     values["running"] = sum(1 for s in slot_states if s == SlotState.RUNNING)
     values["waiting"] = sum(1 for s in slot_states if s == SlotState.WAITING)
     values["kv_blocks_total"] = num_kv_blocks
     values["kv_blocks_used"] = num_kv_blocks - free_top
+    values.update(zip(STEP_TIME_FIELDS, step_times, strict=True))
     return values
 
 
@@ -163,7 +165,6 @@ class LoopEngineServer:
         self._owned = list(owned)  # closed by close(), last first (e.g. the mapped ring after the loop)
         self.step: object | None = None  # the LoopStep, when built here: kept alive with the server
         self._telemetry_at = 0
-        self._last_step_ns = 0
         self._fe_heartbeat = 0
         self._fe_heartbeat_seen_ns = 0
 
@@ -263,9 +264,7 @@ class LoopEngineServer:
                 self._maybe_telemetry()
                 stop.wait(self.idle_sleep_s)
                 continue
-            t0 = time.monotonic_ns()
             self.host_step()
-            self._last_step_ns = time.monotonic_ns() - t0
             self._reclaim_if_frontend_lost()
             self._maybe_telemetry()
 
@@ -344,10 +343,8 @@ class LoopEngineServer:
             self._write_telemetry()
 
     def _write_telemetry(self) -> None:
-        counters, slots, free_top = self.snapshot.read()
-        values = telemetry_values(counters, slots, free_top, self.geometry.num_kv_blocks)
-        # Host mode times its steps; the launched loop has no per-step time on the host (0).
-        values["last_step_ns"] = self._last_step_ns
+        counters, slots, free_top, step_times = self.snapshot.read()
+        values = telemetry_values(counters, slots, free_top, self.geometry.num_kv_blocks, step_times)
         values["updated_ns"] = time.monotonic_ns()
         self.region.write_telemetry(values)
 

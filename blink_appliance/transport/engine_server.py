@@ -27,7 +27,13 @@ from blink_appliance.transport.engine_lifecycle import (
     write_terminal,
 )
 from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import EngineState, ErrorCode, RingGeometry
+from blink_appliance.transport.ring_layout import (
+    STEP_TIME_FIELDS,
+    EngineState,
+    ErrorCode,
+    RingGeometry,
+    step_time_bucket,
+)
 from blink_appliance.transport.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,7 @@ class EngineServer:
                 "records_unaddressable",
                 "loop_iterations",
                 "last_step_ns",
+                *STEP_TIME_FIELDS,
             ),
             0,
         )
@@ -134,7 +141,9 @@ class EngineServer:
                 if self.engine.has_unfinished():
                     t0 = time.monotonic_ns()
                     events = self.engine.step()
-                    self._counters["last_step_ns"] = time.monotonic_ns() - t0
+                    step_ns = time.monotonic_ns() - t0
+                    self._counters["last_step_ns"] = step_ns
+                    self._counters[STEP_TIME_FIELDS[step_time_bucket(step_ns)]] += 1
                     self._publish(events)
                     moved = True
                 self._counters["loop_iterations"] += 1

@@ -25,7 +25,7 @@ import numpy as np
 from blink_appliance.engine.request import FinishReason
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-VERSION = 1
+VERSION = 2  # 2: the step-time histogram in the telemetry block
 CACHE_LINE = 64
 # Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
 # set in the same store that publishes the terminal token, so a reader never mistakes the last
@@ -100,6 +100,19 @@ FINISH_CODES: dict[FinishReason, int] = {
 }
 FINISH_FROM_CODE: dict[int, FinishReason] = {v: k for k, v in FINISH_CODES.items()}
 
+# Engine step time histogram: steps (iterations that ran a forward) whose time was at most each
+# bound, in microseconds, the last bucket unbounded; counts per bucket, not cumulative.
+STEP_TIME_BOUNDS_US: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+STEP_TIME_FIELDS: tuple[str, ...] = tuple(f"step_time_hist_{i}" for i in range(len(STEP_TIME_BOUNDS_US) + 1))
+
+
+def step_time_bucket(step_ns: int) -> int:
+    """The histogram bucket of one step's time: the first bound (us) it does not exceed."""
+    return next(
+        (i for i, b in enumerate(STEP_TIME_BOUNDS_US) if step_ns <= b * 1000), len(STEP_TIME_BOUNDS_US)
+    )
+
+
 # Telemetry counters the engine publishes (u64 each, under a seqlock). Names match EngineStats
 # where they come from it.
 TELEMETRY_FIELDS: tuple[str, ...] = (
@@ -118,6 +131,7 @@ TELEMETRY_FIELDS: tuple[str, ...] = (
     "loop_iterations",
     "last_step_ns",
     "updated_ns",
+    *STEP_TIME_FIELDS,
 )
 
 
