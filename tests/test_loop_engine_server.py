@@ -355,7 +355,7 @@ def test_a_lost_front_end_gets_its_requests_cancelled_through_the_ring():
 
 
 # -- the served path: the real loop (LoopStep) in mode "host" under the Triton interpreter -----------
-def _tiny_profile(device: str = "cpu", **engine):
+def _tiny_profile(device: str = "cpu", max_model_len: int = 64, max_output_tokens: int = 24, **engine):
     from blink_appliance.profile import parse_profile
 
     return parse_profile(
@@ -364,8 +364,8 @@ def _tiny_profile(device: str = "cpu", **engine):
             "models": [
                 {
                     "name": "tiny", "source": "dummy:tiny", "dtype": "float32", "device": device,
-                    "max_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16, "block_size": 4,
-                    "kv_budget_gib": 0.001, "max_output_tokens": 24,
+                    "max_seqs": 2, "max_model_len": max_model_len, "max_num_batched_tokens": 16,
+                    "block_size": 4, "kv_budget_gib": 0.001, "max_output_tokens": max_output_tokens,
                 }
             ],
             "engine": {"mode": "host", **engine},
@@ -375,7 +375,7 @@ def _tiny_profile(device: str = "cpu", **engine):
 
 
 @contextlib.contextmanager
-def served_tiny_loop(device: str = "cpu", **engine):
+def served_tiny_loop(device: str = "cpu", profile_limits: dict | None = None, **engine):
     """The tiny model behind the loop (default: mode "host") on a fresh region, run in a thread.
 
     On a GPU everything comes from build_loop_server. On the CPU the loop's schedule, sample and
@@ -390,7 +390,7 @@ def served_tiny_loop(device: str = "cpu", **engine):
     from blink_appliance.transport.ring_layout import RingLayout
     from tests.test_loop_step import ReferenceStepForward
 
-    profile = _tiny_profile(device, **engine)
+    profile = _tiny_profile(device, **(profile_limits or {}), **engine)
     ckpt = load_checkpoint("dummy:tiny", seed=0)  # = ReferenceStepForward's weights
     plan = resolve_plan(profile.model, ckpt.config)
     ring = ring_geometry(profile)
@@ -464,6 +464,9 @@ HAVE_GPU_STACK = (
     and importlib.util.find_spec("cupy") is not None
     and importlib.util.find_spec("cuda.bindings") is not None
 )
+# The CPU variants run the loop's kernels under the Triton interpreter, which this module turns on
+# only where there is no GPU; on a GPU host the cuda variants cover the same path.
+cpu_harness = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness (Triton interpreter)")
 on_gpu = [
     pytest.mark.gpu,
     pytest.mark.skipif(not HAVE_GPU_STACK, reason="needs a CUDA GPU with cupy and cuda-bindings (GPU extra)"),
@@ -473,7 +476,7 @@ on_gpu = [
 @pytest.mark.parametrize(
     "device, mode",
     [
-        pytest.param("cpu", "host", id="cpu-host"),
+        pytest.param("cpu", "host", id="cpu-host", marks=cpu_harness),
         pytest.param("cuda:0", "host", id="cuda-host", marks=on_gpu),
         pytest.param("cuda:0", "loop", id="cuda-loop", marks=on_gpu),
     ],
@@ -484,7 +487,10 @@ async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_ca
     from blink_appliance.engine.request import SamplingParams
     from blink_appliance.transport.engine_client import EngineClient
 
-    with served_tiny_loop(device, mode=mode) as (server, transport, ring, ckpt, plan, stop):
+    # Long enough outputs that the request in flight at shutdown is still running when the stop
+    # reaches the loop (the tiny model makes a GPU loop step about 0.1 ms).
+    limits = {"max_model_len": 1024, "max_output_tokens": 1000}
+    with served_tiny_loop(device, limits, mode=mode) as (server, transport, ring, ckpt, plan, stop):
         client = EngineClient.attach(transport, ring)
         await client.start()
         await _wait_async(lambda: client.engine_alive, "the loop server did not come up")
@@ -507,19 +513,21 @@ async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_ca
             assert stamps == sorted(stamps) and 0 < stamps[0] <= time.monotonic_ns()  # host clock
 
         # Cancel one while it decodes.
-        rid = client.submit([7, 7, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        rid = client.submit([7, 7, 7], SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
         stream = client.stream(rid)
         first = await asyncio.wait_for(stream.__anext__(), TIMEOUT_S)
         assert first.token_id is not None
         client.cancel(rid)
         rest = await _drain(stream)
         assert rest[-1].finish_reason is FinishReason.ABORT and rest[-1].error is None
-        assert len(rest) < 20
+        assert len(rest) < 1000
 
-        # Shutdown with a request in flight: exactly one terminal, ABORT + shutdown.
-        live = client.stream(client.submit([3, 1, 4], SamplingParams(max_tokens=20, ignore_eos=True)))
+        # Shutdown with a request in flight: exactly one terminal, ABORT + shutdown. The daemon's way,
+        # the ring's shutdown word, which the loop reads every iteration (the GPU loop makes the
+        # tiny model's 1000 tokens in about 15 ms, less than a host thread may take to wake up).
+        live = client.stream(client.submit([3, 1, 4], SamplingParams(max_tokens=1000, ignore_eos=True)))
         await asyncio.wait_for(live.__anext__(), TIMEOUT_S)
-        stop.set()
+        client.region.store("shutdown", 1)
         stopping = time.monotonic()
         events = await _drain(live)
         assert [e.finish_reason for e in events if e.finish_reason is not None] == [FinishReason.ABORT]
@@ -541,6 +549,7 @@ async def _wait_async(predicate, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@cpu_harness
 async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigterm(tmp_path):
     """What `up` starts for a loop profile: its own process, on a region this test creates."""
     import signal
