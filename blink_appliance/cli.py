@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from blink_appliance.profile import ProfileError, load_profile, resolve_plan, ring_geometry
+from blink_appliance.profile import ProfileError, load_profile, loop_geometry, resolve_plan, ring_geometry
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -30,6 +30,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     config = load_checkpoint(m.model_source, seed=m.seed).config
     plan = resolve_plan(m, config)
     print(plan.describe())
+    if profile.uses_loop:
+        g = loop_geometry(profile, plan, config)
+        print(
+            f"engine {profile.engine_mode}: the GPU loop, {g.num_slots} request slots, {g.max_num_seqs} sequences "
+            f"a step, forward buckets {list(g.buckets)} tokens"
+        )
+    else:
+        print(f"engine {profile.engine_mode}: the CPU reference engine")
     geometry = ring_geometry(profile)
     fe = profile.frontend
     print(

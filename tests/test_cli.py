@@ -38,6 +38,32 @@ def test_check_prints_the_resolved_plan(tmp_path, capsys):
     assert "weights" in out and "kv cache" in out and "blocks x 16 tokens" in out
     assert "max_seqs       4" in out and "token budget   512" in out
     assert "rings /dev/shm/blink-appliance" in out
+    assert "engine reference: the CPU reference engine" in out
+
+
+def test_check_prints_the_loop_geometry_of_a_loop_profile(tmp_path, capsys):
+    path = _profile(
+        tmp_path,
+        """
+        [[models]]
+        name = "tiny"
+        source = "dummy:tiny"
+        device = "cuda:0"
+        kv_budget_gib = 0.001
+        max_model_len = 256
+        max_seqs = 4
+        max_num_batched_tokens = 64
+        [engine]
+        mode = "host"
+        num_slots = 12
+        """,
+    )
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "engine host: the GPU loop, 12 request slots, 4 sequences a step, forward buckets [8, 32, 64] tokens"
+        in out
+    )
     assert "http://127.0.0.1:8000 over shm" in out
 
 
