@@ -14,11 +14,11 @@ import logging
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from aiohttp import web
 
+from blink_appliance.parent_watch import watch_parent
 from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
 
 log = logging.getLogger("blink_appliance.dpu")
@@ -113,7 +113,7 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if parent_pid is not None:
-        _watch_parent(parent_pid, loop, stop)
+        watch_parent(parent_pid, loop, stop)
     await stop.wait()
 
     # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left.
@@ -126,17 +126,6 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     await client.close()  # cancels and ends what is still open
     await runner.cleanup()
     transport.close()
-
-
-def _watch_parent(parent_pid: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    def watch() -> None:
-        while not stop.is_set():
-            if os.getppid() != parent_pid:
-                loop.call_soon_threadsafe(stop.set)
-                return
-            threading.Event().wait(0.5)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

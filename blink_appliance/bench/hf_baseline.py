@@ -40,6 +40,8 @@ from typing import Any
 
 from aiohttp import web
 
+from blink_appliance.parent_watch import watch_parent
+
 log = logging.getLogger("blink_appliance.bench.hf_baseline")
 
 DEFAULT_MAX_TOKENS = 16
@@ -449,21 +451,10 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if args.parent_pid is not None:
-        _watch_parent(args.parent_pid, loop, stop)
+        watch_parent(args.parent_pid, loop, stop)
     await stop.wait()
     batcher.stop()
     await runner.cleanup()
-
-
-def _watch_parent(parent_pid: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    def watch() -> None:
-        while not stop.is_set():
-            if os.getppid() != parent_pid:
-                loop.call_soon_threadsafe(stop.set)
-                return
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _cpus(text: str) -> set[int]:
