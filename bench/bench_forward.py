@@ -226,6 +226,7 @@ def load_workload(fwd: GpuForward, w: Workload, vocab: int, num_blocks: int, max
 
 
 KERNEL_GROUPS = [
+    ("gemm (Triton swap-AB)", ("_skinny_gemm",)),
     ("attention", ("_paged_attention",)),
     ("rope+kv write", ("_rope_cache_write",)),
     ("add+rmsnorm", ("_add_rmsnorm",)),

@@ -53,7 +53,6 @@ def test_fixed_shape_forward_matches_reference_fp32(preset):
     fwd = GpuForward(
         cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
         max_tokens=BUCKET, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
-        skinny_decode_gemms=True,  # off by default (slower on the H100), but it must stay correct
     )  # fmt: skip
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
     for chunks in STEPS:

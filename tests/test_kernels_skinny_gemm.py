@@ -63,3 +63,23 @@ def test_skinny_gemm_with_silu_gate_prologue(split_k):
         sum_partials(part, out, split_k)
     err = ((out.double() - want).norm() / want.norm()).item()
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_gemm_reads_transposed_weight_storage(split_k):
+    """W stored [K, N] (cuBLAS's NN layout) and passed as its [N, K] transposed view."""
+    M, N, K = (8, 3072, 2048) if GPU else (6, 64, 128)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    w_kn = (0.05 * torch.randn(K, N, device=DEVICE)).to(dtype)
+    want = x.double() @ w_kn.double()
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    bk = 128 if GPU else 32
+    if split_k == 1:
+        skinny_gemm(x, w_kn.t(), out, block_n=64 if GPU else 32, block_k=bk)
+    else:
+        part = torch.full((split_k * M * N,), float("nan"), device=DEVICE)
+        skinny_gemm(x, w_kn.t(), part, split_k=split_k, block_n=64 if GPU else 32, block_k=bk)
+        sum_partials(part, out, split_k)
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err

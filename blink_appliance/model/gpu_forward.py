@@ -7,8 +7,9 @@ replayed by the device-resident loop, which writes the inputs and reads `logits`
 
 Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
 paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
-GEMM (optionally, for decode buckets of <= 16 tokens: O and down through the split-K Triton GEMM, see
-SKINNY_MAX_TOKENS). The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
+GEMM. GEMMs run through cuBLAS, except in decode buckets of <= 16 tokens, where O, gate+up and down
+run through the swap-AB Triton GEMM (SKINNY_MAX_TOKENS; SiLU*up moves into the down GEMM's prologue).
+The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
 
 It computes the same function as the reference model in llama.py (the tests compare the two).
@@ -55,18 +56,28 @@ def attention_config(num_tokens: int) -> AttentionConfig:
     return AttentionConfig(block_q=16, block_n=64, splits=1, num_warps=4, num_stages=3)
 
 
-# With skinny_decode_gemms, decode buckets up to this many tokens run the O and down projections through
-# the few-row split-K Triton GEMM: its fp32 partials are summed by the next add+RMSNorm and SiLU*up is
-# computed in the down GEMM's prologue (no activation kernel, no cuBLAS split-K reduce). Off by default:
-# on the H100 it made the llama-3.2-1b T=8 step slower (1.86 ms vs 1.39 ms with cuBLAS), see
-# docs/gpu_forward.md. Kept, tested, for the device loop's experiments.
+# With skinny_decode_gemms, decode buckets up to this many tokens run the O, gate+up and down
+# projections through the few-row swap-AB Triton GEMM (kernels/skinny_gemm.py): O and down split K
+# into fp32 partials that the next add+RMSNorm sums, and SiLU*up is computed in the down GEMM's
+# prologue (no activation kernel, no cuBLAS split-K reduce kernel).
 SKINNY_MAX_TOKENS = 16
 SKINNY_SPLIT_K = 4
 
 
+def in_major(matrix: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] matrix stored [in, out] contiguous (returned as the transposed view).
+
+    Projection weights are kept this way: `x @ W.t()` is then a plain [in, out] operand, so cuBLAS
+    runs its NN kernels (2-4% faster than TN for the 1B step at 8-128 tokens on the H100,
+    bench/results/2026-11-23-h100-forward-levers.md), and the swap-AB GEMM reads it through strides.
+    """
+    return matrix.t().contiguous().t()
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer, projections fused where one GEMM can do the work of several."""
+    """One decoder layer, projections fused where one GEMM can do the work of several. Projection
+    matrices are [out, in] views of [in, out] storage (`in_major`)."""
 
     input_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]: q, k, v projections stacked
@@ -102,6 +113,9 @@ class GpuWeights:
         def cat(*names: str) -> torch.Tensor:
             return torch.cat([weights[n].to(dtype) for n in names]).to(device).contiguous()
 
+        def mat(*names: str) -> torch.Tensor:
+            return in_major(cat(*names))
+
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -109,20 +123,21 @@ class GpuWeights:
             layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    qkv=mat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                     qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                     if config.attention_bias
                     else None,
                     q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
-                    o_proj=w(a + "o_proj.weight"),
+                    o_proj=mat(a + "o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=mat(p + "mlp.down_proj.weight"),
                 )
             )
         embed = w("model.embed_tokens.weight")
-        lm_head = embed if config.tie_word_embeddings else w("lm_head.weight")
+        # A tied head stays the (row-major) embedding table: a transposed copy would cost its bytes again.
+        lm_head = embed if config.tie_word_embeddings else mat("lm_head.weight")
         return cls(embed=embed, layers=layers, norm=w("model.norm.weight"), lm_head=lm_head)
 
     @classmethod
@@ -134,7 +149,7 @@ class GpuWeights:
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def mat(rows: int, cols: int) -> torch.Tensor:
-            return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype).mul_(0.02)
+            return in_major(torch.randn(rows, cols, generator=gen, device=device, dtype=dtype).mul_(0.02))
 
         def vec(n: int, mean: float = 1.0, std: float = 0.1) -> torch.Tensor:
             return torch.randn(n, generator=gen, device=device, dtype=dtype).mul_(std).add_(mean)
@@ -154,7 +169,7 @@ class GpuWeights:
             )
             for _ in range(c.num_layers)
         ]
-        embed = mat(c.vocab_size, c.hidden_size)
+        embed = mat(c.vocab_size, c.hidden_size).contiguous()  # gathered by rows
         lm_head = embed if c.tie_word_embeddings else mat(c.vocab_size, c.hidden_size)
         return cls(embed=embed, layers=layers, norm=vec(c.hidden_size), lm_head=lm_head)
 
@@ -239,7 +254,8 @@ class GpuForward:
         max_blocks_per_seq: int,
         max_context_len: int | None = None,
         residual_fp32: bool = True,
-        skinny_decode_gemms: bool = False,
+        skinny_decode_gemms: bool = True,
+        lm_head_fp32_out: bool | None = None,
     ) -> None:
         c = config
         self.config = c
@@ -291,7 +307,13 @@ class GpuForward:
         self._attn_partials = (
             split_partials(split_rows, 1, c.num_heads, c.head_dim, self.device) if split_rows else None
         )
-        self._logits_lp = buf(max_seqs, c.vocab_size) if self.dtype != torch.float32 else None
+        # bf16/fp16 LM head: cuBLAS writes fp32 logits itself (mm with out_dtype, CUDA only) instead of
+        # a low-precision copy plus a cast kernel (-0.035 ms for the 1B step at 128 tokens).
+        if lm_head_fp32_out is None:
+            lm_head_fp32_out = self.device.type == "cuda"
+        self.lm_head_fp32_out = lm_head_fp32_out and self.dtype != torch.float32
+        lp = self.dtype != torch.float32 and not self.lm_head_fp32_out
+        self._logits_lp = buf(max_seqs, c.vocab_size) if lp else None
         # fp32 logits of the sampled rows: what the sampler reads. Row r is for sample_rows[r].
         self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
 
@@ -345,14 +367,15 @@ class GpuForward:
                 num_warps=ac.num_warps, num_stages=ac.num_stages,
             )  # fmt: skip
             if skinny:
-                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, block_n=32)
+                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
             add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=parts)
-            torch.mm(x, layer.gate_up.t(), out=gate_up)
             if skinny:
-                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, block_n=32, silu_gate=True)
+                skinny_gemm(x, layer.gate_up, gate_up, block_n=128, block_k=64)
+                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, silu_gate=True)
             else:
+                torch.mm(x, layer.gate_up.t(), out=gate_up)
                 silu_and_mul(gate_up, act)
                 torch.mm(act, layer.down.t(), out=mlp_out)
 
@@ -367,7 +390,9 @@ class GpuForward:
             rows=inp.sample_rows[:R],
             x_parts=parts,
         )
-        if self._logits_lp is None:
+        if self.lm_head_fp32_out:
+            torch.mm(final, w.lm_head.t(), out_dtype=torch.float32, out=self.logits[:R])
+        elif self._logits_lp is None:
             torch.mm(final, w.lm_head.t(), out=self.logits[:R])
         else:
             torch.mm(final, w.lm_head.t(), out=self._logits_lp[:R])

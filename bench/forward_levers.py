@@ -1,0 +1,190 @@
+"""Which GEMM-side levers shorten the decode step? One device call, graph replay per variant.
+
+    PYTHONPATH=. python3 bench/forward_levers.py [--out DIR] [--model llama-3.2-1b] [--buckets 8,32,128]
+
+The decode step of the 1B model spends ~77% of its time in cuBLAS GEMMs that run at 1.6-2.8 TB/s
+(bench/results/2026-11-22-h100-forward.md). Each variant below changes only how those GEMMs are
+issued, captures the same buckets and times graph replay the way bench_forward.py does (median of
+do_bench, L2 flushed), on the same decode workload:
+
+A variant is a "+"-joined set of levers on top of the forward with every option off (row-major
+weights, cuBLAS everywhere, bf16 logits plus a cast):
+- skinny: decode buckets (<= 16 tokens) run O, gate+up and down through the swap-AB Triton GEMM.
+- lmfp32: the LM head writes fp32 logits itself (mm out_dtype) instead of bf16 plus a cast kernel.
+- nn: projection weights stored [in, out] contiguous (`in_major`, now the default), so cuBLAS runs
+  NN, not TN.
+- cublaslt: torch.backends.cuda.preferred_blas_library("cublaslt").
+- tunable: TunableOp picks each GEMM's algorithm by timing cuBLAS/cuBLASLt candidates (cold-cache
+  rotating buffer) during the eager warm-up, before capture.
+"base" is none of them. Each variant's logits are compared with the first variant's on the same step
+(they must agree to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_forward import (  # noqa: E402
+    BLOCK_SIZE,
+    DECODE_CONTEXT,
+    MAX_SEQS,
+    copy_bandwidth,
+    load_workload,
+    profile_step,
+    workload,
+)
+from triton.testing import do_bench  # noqa: E402
+
+from blink_appliance.engine.cuda_graphs import ForwardGraphs  # noqa: E402
+from blink_appliance.model.gpu_forward import GpuForward, GpuWeights  # noqa: E402
+from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
+from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
+
+
+def row_major(weights: GpuWeights) -> GpuWeights:
+    """Same values, each projection stored [out, in] row-major (the layout before `in_major`)."""
+
+    def rm(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.contiguous()
+
+    layers = [
+        replace(
+            layer, qkv=rm(layer.qkv), o_proj=rm(layer.o_proj), gate_up=rm(layer.gate_up), down=rm(layer.down)
+        )
+        for layer in weights.layers
+    ]
+    lm = weights.lm_head if weights.lm_head is weights.embed else rm(weights.lm_head)
+    return GpuWeights(embed=weights.embed, layers=layers, norm=weights.norm, lm_head=lm)
+
+
+def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], bw: float, log: list[str]):
+    max_blocks = (DECODE_CONTEXT + max(buckets)) // BLOCK_SIZE + 2
+    num_blocks = MAX_SEQS * (DECODE_CONTEXT // BLOCK_SIZE + 1) + max(buckets) // BLOCK_SIZE + 8
+    kv = PagedKVCache.allocate(
+        cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda"
+    )
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kv.k.normal_(0, 1, generator=g)
+    kv.v.normal_(0, 1, generator=g)
+    levers = set(name.split("+")) - {"base"}
+    unknown = levers - {"skinny", "lmfp32", "nn", "cublaslt", "tunable"}
+    if unknown:
+        raise ValueError(f"unknown levers {sorted(unknown)}")
+    floor_weights = weights
+    if "nn" not in levers:
+        weights = row_major(weights)
+    fwd = GpuForward(
+        cfg, weights, kv, max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks,
+        lm_head_fp32_out="lmfp32" in levers, skinny_decode_gemms="skinny" in levers,
+    )  # fmt: skip
+    if "cublaslt" in levers:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    if "tunable" in levers:
+        tun = torch.cuda.tunable
+        tun.enable(True)
+        tun.tuning_enable(True)
+        tun.set_max_tuning_duration(40)
+        tun.set_max_tuning_iterations(60)
+        if hasattr(tun, "set_rotating_buffer_size"):
+            tun.set_rotating_buffer_size(256)
+        tun.set_filename(f"/tmp/tunableop_{name}.csv")
+    t = time.time()
+    graphs = ForwardGraphs(fwd, buckets=buckets)
+    graphs.capture()
+    if "tunable" in levers:
+        torch.cuda.tunable.tuning_enable(False)
+    log.append(f"{name}: warm-up + capture {time.time() - t:.1f}s")
+    rows, logits, profiles = [], {}, {}
+    for T in buckets:
+        w = workload(T)
+        load_workload(fwd, w, cfg.vocab_size, num_blocks, max_blocks)
+        # One replay on the loaded step for the logits (the cache writes repeat the same slots).
+        logits[T] = graphs.replay(T).clone()
+        ms = do_bench(graphs.graphs[T].replay, warmup=50, rep=400, return_mode="median")
+        ms2 = do_bench(graphs.graphs[T].replay, warmup=10, rep=200, return_mode="median")
+        floor = floor_weights.bytes_read_per_step(T) / bw * 1e3
+        rows.append(dict(variant=name, bucket=T, step_ms=ms, repeat_ms=ms2, floor_ms=floor, ratio=ms / floor))
+        if T in (8, 128):
+            groups, top = profile_step(fwd, T)
+            profiles[T] = dict(groups=groups, top=top)
+    if "cublaslt" in levers:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    if "tunable" in levers:
+        torch.cuda.tunable.enable(False)
+    del graphs, fwd, kv
+    torch.cuda.empty_cache()
+    return rows, logits, profiles
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--buckets", default="8,32,128")
+    ap.add_argument("--variants", default="base,skinny,skinny+nn,skinny+lmfp32,skinny+nn+lmfp32")
+    args = ap.parse_args()
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    env = dict(gpu=props.name, torch=torch.__version__, cuda=torch.version.cuda,
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model)  # fmt: skip
+    print(json.dumps(env), flush=True)
+    bw = copy_bandwidth()
+    cfg = preset_config(args.model)
+    weights = GpuWeights.random(cfg, torch.bfloat16, "cuda", seed=0)
+    log: list[str] = []
+    all_rows, base_logits, errs, profiles = [], None, {}, {}
+    for name in args.variants.split(","):
+        try:
+            rows, logits, prof = run_variant(name, cfg, weights, buckets, bw, log)
+        except Exception as e:  # a lever this torch build lacks is reported, not fatal
+            log.append(f"{name}: FAILED {type(e).__name__}: {e}")
+            print(log[-1], flush=True)
+            continue
+        profiles[name] = prof
+        all_rows += rows
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        if base_logits is None:
+            base_logits = logits
+        for T, lg in logits.items():
+            ref = base_logits[T]
+            errs[f"{name}/{T}"] = ((lg - ref).norm() / ref.norm()).item()
+    (out / "forward_levers.json").write_text(
+        json.dumps(
+            dict(
+                env=env, copy_bw=bw, rows=all_rows, logits_rel_diff_vs_base=errs, profiles=profiles, log=log
+            ),
+            indent=1,
+        )  # fmt: skip
+    )
+    print("\n".join(log))
+    for name, prof in profiles.items():
+        for T, p in prof.items():
+            parts = ", ".join(f"{g} {v:.3f}" for g, v in p["groups"].items())
+            print(f"{name} T={T}: {parts}")
+            if T == 8:
+                for kname, count, ms in p["top"][:6]:
+                    print(f"    {ms:.3f} ms x{count} {kname}")
+    print(f"\n## {args.model} bf16 step by graph replay (ms), copy {bw / 1e12:.2f} TB/s; logits diff vs base")
+    print("| variant | " + " | ".join(f"T={T}" for T in buckets) + " |")
+    print("|---|" + "---|" * len(buckets))
+    for name in dict.fromkeys(r["variant"] for r in all_rows):
+        cells = []
+        for T in buckets:
+            r = next(r for r in all_rows if r["variant"] == name and r["bucket"] == T)
+            cells.append(f"{r['step_ms']:.3f} ({r['ratio']:.2f}x, d {errs[f'{name}/{T}']:.1e})")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
