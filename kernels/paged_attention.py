@@ -59,6 +59,7 @@ def _paged_attention_kernel(
     SEQS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -99,11 +100,6 @@ def _paged_attention_kernel(
 
     d = tl.arange(0, HEAD_DIM)
     tok64 = tok.to(tl.int64)
-    q = tl.load(
-        q_ptr + tok64[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -117,6 +113,14 @@ def _paged_attention_kernel(
     # Block ids are fetched one tile ahead, so a tile's K/V loads do not wait on a block-table load.
     next_pos = kv_lo + tl.arange(0, BLOCK_N)
     blk = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < kv_hi, other=0)
+    if USE_PDL:  # launched early: the metadata above are step inputs; q and this step's K/V are not
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = tl.load(
+        q_ptr + tok64[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_in = k_pos < kv_hi
@@ -165,9 +169,13 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     sp = tl.arange(0, SPLITS_PAD)
     sp_in = sp < NUM_SPLITS
     row = (sp * num_tokens + t) * NUM_HEADS + h
@@ -207,6 +215,7 @@ def paged_attention(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """q: [T, >= num_heads*head_dim] (row stride free, e.g. the q part of a fused QKV buffer);
     k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
@@ -278,8 +287,10 @@ def paged_attention(
         SEQS_PAD=triton.next_power_of_2(num_seqs + 1),
         DOT_PRECISION=dot_precision,
         NUM_SPLITS=num_splits,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _combine_splits_kernel[(tokens, num_heads)](
@@ -292,7 +303,9 @@ def paged_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            USE_PDL=pdl,
             num_warps=1 if head_dim <= 64 else 2,
+            launch_pdl=pdl,
         )
     return out
 

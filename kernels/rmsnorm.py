@@ -36,10 +36,15 @@ def _add_rmsnorm_kernel(
     WRITE_RESIDUAL: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_ROWS:
         src = tl.load(rows_ptr + r)
     else:
@@ -61,7 +66,6 @@ def _add_rmsnorm_kernel(
             tl.store(residual_ptr + src * residual_stride + cols, summed, mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * rstd).to(out_dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = normed * w
     y = tl.where(valid, y, 0.0)
     tl.store(out_ptr + r * out_stride + cols, y.to(out_dtype), mask=mask)
@@ -77,6 +81,7 @@ def add_rmsnorm(
     rows: torch.Tensor | None = None,
     residual_in: bool = True,
     x_parts: int = 1,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """out[r] = rmsnorm(x[src] (+ residual[src])) * weight, src = rows[r] if rows is given else r.
 
@@ -115,6 +120,8 @@ def add_rmsnorm(
         WRITE_RESIDUAL=residual is not None and write_residual,
         HAS_ROWS=rows is not None,
         BLOCK=triton.next_power_of_2(hidden),
+        USE_PDL=pdl,
         num_warps=4 if hidden <= 4096 else 8,
+        launch_pdl=pdl,
     )
     return out

@@ -58,6 +58,7 @@ def _rope_cache_write_kernel(
     HKV_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
@@ -68,6 +69,9 @@ def _rope_cache_write_kernel(
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + d)[None, :]
     sin = tl.load(sin_ptr + pos * HALF + d)[None, :]
+    if USE_PDL:  # launched early: positions and tables are step inputs; qkv comes from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     # q heads, rotated in place.
     hq = tl.arange(0, HQ_PAD)[:, None]
@@ -121,6 +125,7 @@ def rope_and_cache_write(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = False,
 ) -> None:
     """qkv: [T, (num_heads + 2*num_kv_heads) * head_dim], q rotated in place.
 
@@ -157,5 +162,7 @@ def rope_and_cache_write(
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         QK_NORM=q_norm is not None,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )

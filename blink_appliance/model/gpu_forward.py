@@ -256,6 +256,8 @@ class GpuForward:
         residual_fp32: bool = True,
         skinny_decode_gemms: bool = True,
         lm_head_fp32_out: bool | None = None,
+        pdl: bool | None = None,
+        prefetch_k: int = 0,
     ) -> None:
         c = config
         self.config = c
@@ -295,6 +297,15 @@ class GpuForward:
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
         self.skinny_decode_gemms = skinny_decode_gemms
+        # Programmatic dependent launch (Hopper+): every Triton kernel of the step launches while the
+        # kernel before it drains, does what needs only the step's inputs and weights, then waits for
+        # it (griddepcontrol.wait) before reading its outputs and before writing anything.
+        # None: on where the GPU has it (compute capability >= 9). prefetch_k (an experiment, off:
+        # it did not pay) has each few-row GEMM program pull its first weights into L2 before waiting.
+        if pdl is None:
+            pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
+        self.pdl = pdl
+        self.prefetch_k = prefetch_k
         rows = min(SKINNY_MAX_TOKENS, T)
         self._o_parts = buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
         self._down_parts = (
@@ -345,12 +356,13 @@ class GpuForward:
         else:
             o_out = mlp_out = proj
 
+        gemm_opts = dict(pdl=self.pdl, prefetch_k=self.prefetch_k)
         torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
             if i == 0:
                 add_rmsnorm(proj, layer.input_norm, x, eps, residual=h, residual_in=False)
             else:
-                add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=parts)
+                add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=parts, pdl=self.pdl)
             if layer.qkv_bias is not None:
                 torch.addmm(layer.qkv_bias, x, layer.qkv.t(), out=qkv)
             else:
@@ -358,22 +370,22 @@ class GpuForward:
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
             rope_and_cache_write(
                 qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
-                c.num_heads, c.num_kv_heads, c.head_dim, layer.q_norm, layer.k_norm, eps,
+                c.num_heads, c.num_kv_heads, c.head_dim, layer.q_norm, layer.k_norm, eps, pdl=self.pdl,
             )  # fmt: skip
             paged_attention(
                 qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
                 inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=ac.block_q,
                 block_n=ac.block_n, num_splits=ac.splits, partials=self._attn_partials,
-                num_warps=ac.num_warps, num_stages=ac.num_stages,
+                num_warps=ac.num_warps, num_stages=ac.num_stages, pdl=self.pdl,
             )  # fmt: skip
             if skinny:
-                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts)
+                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, **gemm_opts)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
-            add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=parts)
+            add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=parts, pdl=self.pdl)
             if skinny:
-                skinny_gemm(x, layer.gate_up, gate_up, block_n=128, block_k=64)
-                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, silu_gate=True)
+                skinny_gemm(x, layer.gate_up, gate_up, block_n=128, block_k=64, **gemm_opts)
+                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, silu_gate=True, **gemm_opts)
             else:
                 torch.mm(x, layer.gate_up.t(), out=gate_up)
                 silu_and_mul(gate_up, act)
