@@ -130,7 +130,10 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """x: [M, K] (M <= 16), or [M, 2K] gate|up with silu_gate; w: [N, K] (any strides: row-major, or
     the transposed view of a [K, N] matrix); out: [M, N] when split_k == 1, else fp32 partials holding
-    at least split_k * M * N elements (laid out [split_k, M, N])."""
+    at least split_k * M * N elements (laid out [split_k, M, N]). pdl: launch as a programmatic
+    dependent (sm_90+; waits for the kernel before prior to reading x). prefetch_k: pull the first
+    prefetch_k (a power of two >= 64) of each program's K slice into L2 before that wait (measured
+    no gain; off)."""
     M, K = x.shape
     if silu_gate:
         K //= 2
