@@ -16,7 +16,6 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
 - cublaslt: torch.backends.cuda.preferred_blas_library("cublaslt").
 - pdl: programmatic dependent launch of the Triton norms and few-row GEMMs (each launches while the
   kernel before drains, and waits for it with griddepcontrol.wait).
-- pf: each few-row GEMM program prefetches the first 256 of its K slice into L2 before that wait.
 - tunable: TunableOp picks each GEMM's algorithm by timing cuBLAS/cuBLASLt candidates (cold-cache
   rotating buffer) during the eager warm-up, before capture.
 "base" is none of them. Each variant's logits are compared with the first variant's on the same step
@@ -78,7 +77,7 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
     kv.k.normal_(0, 1, generator=g)
     kv.v.normal_(0, 1, generator=g)
     levers = set(name.split("+")) - {"base"}
-    unknown = levers - {"skinny", "lmfp32", "nn", "cublaslt", "tunable", "pdl", "pf"}
+    unknown = levers - {"skinny", "lmfp32", "nn", "cublaslt", "tunable", "pdl"}
     if unknown:
         raise ValueError(f"unknown levers {sorted(unknown)}")
     floor_weights = weights
@@ -87,7 +86,7 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
     fwd = GpuForward(
         cfg, weights, kv, max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks,
         lm_head_fp32_out="lmfp32" in levers, skinny_decode_gemms="skinny" in levers,
-        pdl="pdl" in levers, prefetch_k=256 if "pf" in levers else 0,
+        pdl="pdl" in levers,
     )  # fmt: skip
     if "cublaslt" in levers:
         torch.backends.cuda.preferred_blas_library("cublaslt")

@@ -47,9 +47,6 @@ def _skinny_gemm_kernel(
     EVEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    PREFETCH_K: tl.constexpr = 0,
-    W_N_CONTIGUOUS: tl.constexpr = False,
-    PF_LINES: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,22 +57,6 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride_n
-    if PREFETCH_K > 0:
-        # Weights never depend on the kernel before: pull the first PREFETCH_K of this program's K
-        # slice into L2 (one address per 128-byte line) before waiting for that kernel.
-        if W_N_CONTIGUOUS:
-            pk = k_lo + tl.arange(0, PREFETCH_K)
-            pn = pid_n * BLOCK_N + tl.arange(0, PF_LINES) * 64
-            pf = w_ptr + pn.to(tl.int64)[:, None] + pk[None, :] * w_stride_k
-            pf_ok = (pk < k_hi)[None, :] & (pn < N)[:, None]
-        else:
-            pk = k_lo + tl.arange(0, PREFETCH_K // 64) * 64
-            pf = w_rows + pk[None, :] * w_stride_k
-            pf_ok = (pk < k_hi)[None, :] & (n < N)[:, None]
-        pf = tl.where(pf_ok, pf, w_ptr)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];", "=r,l", [pf], dtype=tl.int32, is_pure=False, pack=1
-        )
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -126,14 +107,11 @@ def skinny_gemm(
     num_warps: int = 4,
     silu_gate: bool = False,
     pdl: bool = False,
-    prefetch_k: int = 0,
 ) -> torch.Tensor:
     """x: [M, K] (M <= 16), or [M, 2K] gate|up with silu_gate; w: [N, K] (any strides: row-major, or
     the transposed view of a [K, N] matrix); out: [M, N] when split_k == 1, else fp32 partials holding
     at least split_k * M * N elements (laid out [split_k, M, N]). pdl: launch as a programmatic
-    dependent (sm_90+; waits for the kernel before prior to reading x). prefetch_k: pull the first
-    prefetch_k (a power of two >= 64) of each program's K slice into L2 before that wait (measured
-    no gain; off)."""
+    dependent (sm_90+; waits for the kernel before prior to reading x)."""
     M, K = x.shape
     if silu_gate:
         K //= 2
@@ -154,7 +132,7 @@ def skinny_gemm(
         x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), out.stride(0) if split_k == 1 else N,
         k_per_split, BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         SILU_GATE=silu_gate, EVEN=even, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, PREFETCH_K=prefetch_k, W_N_CONTIGUOUS=w.stride(0) == 1, PF_LINES=max(block_n // 64, 1),
+        USE_PDL=pdl,
         num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -257,7 +257,6 @@ class GpuForward:
         skinny_decode_gemms: bool = True,
         lm_head_fp32_out: bool | None = None,
         pdl: bool | None = None,
-        prefetch_k: int = 0,
     ) -> None:
         c = config
         self.config = c
@@ -300,12 +299,10 @@ class GpuForward:
         # Programmatic dependent launch (Hopper+): every Triton kernel of the step launches while the
         # kernel before it drains, does what needs only the step's inputs and weights, then waits for
         # it (griddepcontrol.wait) before reading its outputs and before writing anything.
-        # None: on where the GPU has it (compute capability >= 9). prefetch_k (an experiment, off:
-        # it did not pay) has each few-row GEMM program pull its first weights into L2 before waiting.
+        # None: on where the GPU has it (compute capability >= 9).
         if pdl is None:
             pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.pdl = pdl
-        self.prefetch_k = prefetch_k
         rows = min(SKINNY_MAX_TOKENS, T)
         self._o_parts = buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
         self._down_parts = (
@@ -356,7 +353,6 @@ class GpuForward:
         else:
             o_out = mlp_out = proj
 
-        gemm_opts = dict(pdl=self.pdl, prefetch_k=self.prefetch_k)
         torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
             if i == 0:
@@ -379,13 +375,13 @@ class GpuForward:
                 num_warps=ac.num_warps, num_stages=ac.num_stages, pdl=self.pdl,
             )  # fmt: skip
             if skinny:
-                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, **gemm_opts)
+                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, pdl=self.pdl)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
             add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=parts, pdl=self.pdl)
             if skinny:
-                skinny_gemm(x, layer.gate_up, gate_up, block_n=128, block_k=64, **gemm_opts)
-                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, silu_gate=True, **gemm_opts)
+                skinny_gemm(x, layer.gate_up, gate_up, block_n=128, block_k=64, pdl=self.pdl)
+                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, silu_gate=True, pdl=self.pdl)
             else:
                 torch.mm(x, layer.gate_up.t(), out=gate_up)
                 silu_and_mul(gate_up, act)
