@@ -1,11 +1,12 @@
 """GPU forward benchmark, one device call: correctness, then step time per bucket beside the HBM floor.
 
     PYTHONPATH=. python3 bench/bench_forward.py [--out DIR] [--models llama-3.2-1b,llama-3.1-8b]
+        [--check dummy:llama-3.2-1b,gguf:.realw/smollm2-8l.gguf]
 
 1. Copy bandwidth (device-to-device, bytes read + written): the ceiling for the floor.
-2. `dummy:llama-3.2-1b` bf16: the captured forward's logits vs the reference model (fp32, same
-   weights, on the GPU) over three steps that go through three buckets (prefills; a prefill mixed with
-   decodes; decodes only). Relative error must stay under 1e-2.
+2. Per `--check` source (default `dummy:llama-3.2-1b`), bf16: the captured forward's logits vs the
+   reference model (fp32, same weights, on the GPU) over three steps that go through three buckets
+   (prefills; a prefill mixed with decodes; decodes only). Relative error must stay under 1e-2.
 3. Per model and bucket: median step time by graph replay, the floor (weight bytes the step reads /
    copy bandwidth), their ratio; then a per-kernel breakdown from the torch profiler over eager steps.
    8B weights are drawn on the GPU in bf16 (no host copy); it is timed, not checked.
@@ -15,7 +16,6 @@ Kernel-level correctness at real shapes runs as pytest (tests/test_kernels_*.py)
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import sys
@@ -116,17 +116,19 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def check_1b_against_reference(log: list[str]) -> list[dict]:
-    """Three graph-replayed steps of dummy:llama-3.2-1b bf16 vs the reference model on the GPU.
+def check_against_reference(source: str, log: list[str]) -> list[dict]:
+    """Three graph-replayed bf16 steps of `source` vs the reference model on the GPU.
 
     "Same weights": the reference gets the bf16-rounded weights, run in fp32 (the truth) and in bf16
-    (how far the reference itself lands from the truth in bf16, for scale).
+    (how far the reference itself lands from the truth in bf16, for scale). `source` is any model
+    source: dummy:llama-3.2-1b (random weights), or gguf:<file> for trained ones (bench/truncate_gguf.py
+    cuts SmolLM2 to a size the device call can carry).
     """
     t = time.time()
-    ckpt = load_checkpoint("dummy:llama-3.2-1b", seed=1)
+    ckpt = load_checkpoint(source, seed=1)
     cfg = ckpt.config
     ckpt = replace(ckpt, weights={k: v.to(torch.bfloat16) for k, v in ckpt.weights.items()})
-    log.append(f"1b checkpoint drawn in {time.time() - t:.1f}s")
+    log.append(f"{source} loaded in {time.time() - t:.1f}s")
     num_blocks, max_blocks = 256, 64
 
     def cache(dtype: torch.dtype) -> PagedKVCache:
@@ -167,6 +169,7 @@ def check_1b_against_reference(log: list[str]) -> list[dict]:
 
         results.append(
             dict(
+                model=source,
                 tokens=batch.num_tokens,
                 bucket=T,
                 rel_err=rel(got, truth),
@@ -382,65 +385,14 @@ def gemm_sweep(bandwidth: float, rows: int = 8) -> list[dict]:
     return results
 
 
-def attention_sweep() -> list[dict]:
-    """Attention alone (with its split merge) at llama-3.2-1b shapes, cold L2: decode buckets and the
-    mixed 2048 bucket, over splits, key-tile size, warps and pipeline stages."""
-    from blink_appliance.kernels.paged_attention import paged_attention, split_partials
-
-    c = preset_config("llama-3.2-1b")
-    results = []
-    # (T, decoding sequences, their context, prefill chunk, block_q, split choices)
-    cases = ((8, 8, 256, 0, 4, (4, 8)), (128, 128, 256, 0, 4, (1, 2)), (2048, 64, 256, 1984, 16, (1,)))
-    for T, decodes, ctx_len, prefill, block_q, split_choices in cases:
-        max_blocks = (ctx_len + prefill) // BLOCK_SIZE + 2
-        num_blocks = (decodes + 1) * max_blocks + 8
-        b = Batcher(num_blocks, max_blocks, seed=T)
-        for s in range(decodes):
-            b.lens[s] = ctx_len - 1
-        runs = [(s, 1) for s in range(decodes)] + ([(10_000, prefill)] if prefill else [])
-        batch = to_device(b.batch(runs, c.vocab_size), "cuda")
-        S = len(runs)
-        pad = MAX_SEQS - S  # the forward's capacity: unused sequence slots
-        qs = torch.cat([batch.query_start, batch.query_start[-1:].repeat(pad)])
-        ctx = torch.cat([batch.context_lens, torch.zeros(pad, dtype=torch.int32, device="cuda")])
-        tables = torch.cat(
-            [batch.block_tables, torch.full((pad, max_blocks), -1, dtype=torch.int32, device="cuda")]
-        )
-        k = torch.randn(
-            num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, device="cuda", dtype=torch.bfloat16
-        )
-        v = torch.randn_like(k)
-        q = torch.randn(T, c.q_size, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(q)
-        for splits in split_choices:
-            partials = split_partials(splits, T, c.num_heads, c.head_dim, "cuda") if splits > 1 else None
-            for block_n in (32, 64) if T < 2048 else (32, 64, 128):
-                for warps in (2, 4) if T <= 8 else (4, 8):
-                    for stages in (1, 2, 3):
-                        run = functools.partial(
-                            paged_attention, q, k, v, out, qs, ctx, tables, c.num_heads, c.num_kv_heads,
-                            c.head_dim, c.head_dim**-0.5, block_q=block_q, block_n=block_n, num_splits=splits,
-                            partials=partials, num_warps=warps, num_stages=stages,
-                        )  # fmt: skip
-                        try:
-                            ms = do_bench(run, warmup=10, rep=50, return_mode="median")
-                        except Exception as e:  # a config the compiler refuses (resources) is skipped
-                            print(
-                                f"skip attention T={T} s{splits}/n{block_n}/w{warps}/p{stages}: {type(e).__name__}"
-                            )
-                            continue
-                        results.append(dict(T=T, ctx=ctx_len, splits=splits, block_n=block_n, warps=warps,
-                                            stages=stages, us=ms * 1e3))  # fmt: skip
-    return results
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b", help="models to time ('' for none)")
     ap.add_argument(
-        "--attn-sweep", action="store_true", help="also time attention configs for decode buckets"
+        "--check",
+        default="dummy:llama-3.2-1b",
+        help="model sources whose bf16 logits are checked against the fp32 reference ('' for none)",
     )
     ap.add_argument(
         "--gemm-sweep", action="store_true", help="also compare decode GEMMs: cuBLAS vs Triton split-K"
@@ -459,14 +411,15 @@ def main() -> None:
     rate = matmul_rate()
     print(f"bf16 8192^3 matmul: {rate / 1e12:.0f} TFLOP/s", flush=True)
 
-    check = [] if args.skip_check else check_1b_against_reference(log)
+    check = [
+        c for source in filter(None, args.check.split(",")) for c in check_against_reference(source, log)
+    ]
     for c in check:
-        print(f"check 1b bf16 vs fp32 reference: {c}", flush=True)
+        print(f"check bf16 vs fp32 reference: {c}", flush=True)
 
     sweep = gemm_sweep(bw) if args.gemm_sweep else []
-    attn = attention_sweep() if args.attn_sweep else []
     all_rows, all_breakdown = [], {}
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         rows, breakdown = bench_model(name, bw, rate, log)
         all_rows += rows
         all_breakdown[name] = breakdown
@@ -513,23 +466,15 @@ def main() -> None:
         for g in sweep:
             print(f"{g['model']} {g['gemm']} N={g['N']} K={g['K']}: cuBLAS {g['cublas_ms'] * 1e3:.1f} us ({g['cublas_tbs']:.2f} TB/s), "
                   f"Triton {g['triton_ms'] * 1e3:.1f} us ({g['triton_tbs']:.2f} TB/s) {g['config']}, floor {g['floor_ms'] * 1e3:.1f} us, err {g['rel_err']:.1e}")  # fmt: skip
-    if attn:
-        print("\n## attention alone, llama-3.2-1b shapes, cold L2 (us): best 6 per T")
-        for T in sorted({a["T"] for a in attn}):
-            runs = sorted((a for a in attn if a["T"] == T), key=lambda a: a["us"])
-            best = ", ".join(
-                f"s{a['splits']}/n{a['block_n']}/w{a['warps']}/p{a['stages']} {a['us']:.1f}" for a in runs[:6]
-            )
-            print(f"T={T}: {best}")
     for c in check:
-        print(f"check bucket {c['bucket']} ({c['tokens']} tok): ours vs fp32 truth {c['rel_err']:.4f}, reference-in-bf16 vs truth "
+        print(f"check {c['model']} bucket {c['bucket']} ({c['tokens']} tok): ours vs fp32 truth {c['rel_err']:.4f}, reference-in-bf16 vs truth "
               f"{c['ref_bf16_rel_err']:.4f}, ours vs reference-in-bf16 {c['vs_ref_bf16']:.4f}, argmax agree {c['argmax_agree']:.2f}")  # fmt: skip
     if not check:
-        print("correctness check skipped (--skip-check)")
+        print("correctness check skipped (--check '')")
         return
     ok = all(c["rel_err"] < 1e-2 and c["finite"] for c in check)
     no_worse = all(c["rel_err"] <= c["ref_bf16_rel_err"] and c["finite"] for c in check)
-    print(f"correctness, 1b bf16 vs fp32 reference (same weights): < 1e-2 {'PASS' if ok else 'FAIL'}; "
+    print(f"correctness, bf16 vs fp32 reference (same weights): < 1e-2 {'PASS' if ok else 'FAIL'}; "
           f"no worse than the reference model run in bf16: {'PASS' if no_worse else 'FAIL'}")  # fmt: skip
 
 

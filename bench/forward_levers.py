@@ -10,6 +10,9 @@ do_bench, L2 flushed), on the same decode workload:
 A variant is a "+"-joined set of levers on top of the forward with every option off (row-major
 weights, cuBLAS everywhere, bf16 logits plus a cast):
 - skinny: decode buckets (<= 16 tokens) run O, gate+up and down through the swap-AB Triton GEMM.
+- skinny64, skinny128: the same up to 64 or 128 tokens (`decode_gemms`: from 17 tokens on, all rows
+  in one 8-warp tile and the SiLU in its own kernel).
+- tqkv: with skinny, QKV through the Triton GEMM too (<= 16 tokens; RoPE sums its split-K partials).
 - lmfp32: the LM head writes fp32 logits itself (mm out_dtype) instead of bf16 plus a cast kernel.
 - nn: projection weights stored [in, out] contiguous (`in_major`, now the default), so cuBLAS runs
   NN, not TN.
@@ -50,6 +53,8 @@ from blink_appliance.model.gpu_forward import GpuForward, GpuWeights  # noqa: E4
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
 
+SKINNY = {"skinny": 16, "skinny64": 64, "skinny128": 128}  # lever -> triton_gemm_max_tokens
+
 
 def row_major(weights: GpuWeights) -> GpuWeights:
     """Same values, each projection stored [out, in] row-major (the layout before `in_major`)."""
@@ -77,7 +82,7 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
     kv.k.normal_(0, 1, generator=g)
     kv.v.normal_(0, 1, generator=g)
     levers = set(name.split("+")) - {"base"}
-    unknown = levers - {"skinny", "lmfp32", "nn", "cublaslt", "tunable", "pdl"}
+    unknown = levers - {"skinny", "skinny64", "skinny128", "lmfp32", "nn", "cublaslt", "tunable", "pdl", "tqkv"}
     if unknown:
         raise ValueError(f"unknown levers {sorted(unknown)}")
     floor_weights = weights
@@ -85,8 +90,9 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
         weights = row_major(weights)
     fwd = GpuForward(
         cfg, weights, kv, max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks,
-        lm_head_fp32_out="lmfp32" in levers, skinny_decode_gemms="skinny" in levers,
-        pdl="pdl" in levers,
+        lm_head_fp32_out="lmfp32" in levers,
+        triton_gemm_max_tokens=max([0] + [n for lever, n in SKINNY.items() if lever in levers]),
+        pdl="pdl" in levers, triton_qkv="tqkv" in levers,
     )  # fmt: skip
     if "cublaslt" in levers:
         torch.backends.cuda.preferred_blas_library("cublaslt")

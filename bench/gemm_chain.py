@@ -10,7 +10,8 @@ won alone lost in the step), so every candidate here is timed as a graph of one 
 - cublas_nn: the same values stored [in, out] (torch.mm(x, Wt)).
 - swap_ab: a Triton kernel that puts the weight rows on the MMA's M side and the few tokens on its
   N side (acc[BLOCK_N, tokens] = W_tile @ x_tile^T), optionally split over K into fp32 partials
-  (the forward's add+RMSNorm already sums such partials for O and down).
+  (the forward's add+RMSNorm already sums such partials for O and down). Its best three configs are
+  timed again as programmatic dependent launches, and for down with SiLU*up in the prologue.
 Every candidate's result is checked against torch in fp32 before it is timed.
 """
 
@@ -28,10 +29,27 @@ from triton.testing import do_bench
 from blink_appliance.model.loaders.dummy import preset_config
 
 
-def swap_ab(x, w, out, block_n, block_k, split_k, warps, stages):
+def swap_ab(x, w, out, block_n, block_k, split_k, warps, stages, pdl=False, silu=False):
     skinny_gemm(
-        x, w, out, split_k=split_k, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages
-    )
+        x, w, out, split_k=split_k, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+        pdl=pdl, silu_gate=silu,
+    )  # fmt: skip
+
+
+def launches(x, mats, target, cfg, **kw) -> list:
+    """One swap-AB launch per layer's matrix, all into the same output."""
+    return [lambda w=w: swap_ab(x, w, target, *cfg, **kw) for w in mats]
+
+
+def configs(tokens: int) -> list[tuple]:
+    """(layout, block_n, block_k, split, warps, stages); "kn" reads the [K, N] storage (NN layout)."""
+    if tokens <= 16:
+        grid = [("nk", bn, 128, sp, wp, st) for bn in (32, 64) for sp in (1, 2, 4, 8)
+                for wp, st in ((4, 4), (4, 6), (8, 4))]  # fmt: skip
+        return grid + [("kn", bn, bk, sp, 4, 4) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4)]
+    # All the tokens in one tile: the weight tile is the MMA's M side (64 or 128 rows), K tiles deep.
+    return [("kn", bn, bk, sp, wp, st) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4, 8)
+            for wp, st in ((4, 3), (8, 3), (8, 4))]  # fmt: skip
 
 
 def chain_ms(fns) -> float:
@@ -86,15 +104,11 @@ def main() -> None:
                 chain_ms([lambda w=w, x=x, out=out: torch.mm(x, w, out=out) for w in wts]) * 1e3
             )
             best = []
-            # (layout, block_n, block_k, split, warps, stages); "kn" reads the [K, N] storage (NN layout).
-            grid = [("nk", bn, 128, sp, wp, st) for bn in (32, 64) for sp in (1, 2, 4, 8)
-                    for wp, st in ((4, 4), (4, 6), (8, 4))]  # fmt: skip
-            grid += [("kn", bn, bk, sp, 4, 4) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4)]
-            for layout, block_n, block_k, split, warps, stages in grid:
+            for layout, block_n, block_k, split, warps, stages in configs(M):
                 if N % block_n or K % (block_k * split):
                     continue
                 programs = N // block_n * split
-                if programs < 66 or programs > 1100:
+                if programs < 32 or programs > 1100:
                     continue
                 mats = ws if layout == "nk" else [w.t() for w in wts]
                 target = out if split == 1 else torch.empty(split * M * N, device="cuda")
@@ -106,15 +120,34 @@ def main() -> None:
                     if err > 2e-2:
                         print(f"{what} M={M} {layout} {cfg}: WRONG err {err:.2e}", flush=True)
                         continue
-                    fns = [lambda w=w, x=x, target=target, cfg=cfg: swap_ab(x, w, target, *cfg) for w in mats]
-                    us = chain_ms(fns) * 1e3
+                    us = chain_ms(launches(x, mats, target, cfg)) * 1e3
                 except Exception as e:  # a config the compiler refuses
                     print(f"{what} M={M} {layout} {cfg}: skip {type(e).__name__}", flush=True)
                     continue
                 best.append((us, (layout,) + cfg))
-            del wts
             best.sort()
+            # The best three again as programmatic dependent launches (how the forward runs them), and
+            # for down the best with SiLU*up in its prologue (the input is then gate|up, [M, 2K]).
+            variants = [(cfg, dict(pdl=True), "pdl") for _, cfg in best[:3]]
+            if what == "down" and best:  # two pipeline stages too: the extra up tile needs shared memory
+                variants += [
+                    (best[0][1], dict(silu=True), "silu"),
+                    ((*best[0][1][:5], 2), dict(silu=True), "silu"),
+                ]
+            gate_up = torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for (layout, *cfg), kw, tag in variants:
+                mats = ws if layout == "nk" else [w.t() for w in wts]
+                target = out if cfg[2] == 1 else torch.empty(cfg[2] * M * N, device="cuda")
+                try:
+                    us = chain_ms(launches(gate_up if tag == "silu" else x, mats, target, cfg, **kw)) * 1e3
+                except Exception as e:  # e.g. the SiLU prologue's extra tile does not fit shared memory
+                    print(f"{what} M={M} {layout} {cfg} {tag}: skip {type(e).__name__}", flush=True)
+                    continue
+                best.append((us, (layout, *cfg, tag)))
+            best.sort()
+            del wts
             row["swap_ab_best"] = [dict(us=u, cfg=cfg) for u, cfg in best[:4]]
+            row["swap_ab_pdl_silu"] = [dict(us=u, cfg=cfg) for u, cfg in best if cfg[-1] in ("pdl", "silu")]
             results.append(row)
             b = best[0] if best else (float("nan"), None)
             print(
@@ -133,6 +166,9 @@ def main() -> None:
         b = r["swap_ab_best"][0] if r["swap_ab_best"] else dict(us=float("nan"), cfg=None)
         print(f"| {r['tokens']} | {r['gemm']} | {r['floor_us']:.0f} | {r['cublas_tn_us']:.0f} | "
               f"{r['cublas_nn_us']:.0f} | {b['us']:.0f} {b['cfg']} |")  # fmt: skip
+    for r in results:
+        extra = ", ".join(f"{v['cfg']} {v['us']:.0f}" for v in r["swap_ab_pdl_silu"])
+        print(f"{r['tokens']} {r['gemm']}: {extra}")
 
 
 if __name__ == "__main__":

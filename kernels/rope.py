@@ -2,7 +2,9 @@
 
 The QKV projection leaves each token's row as [q heads | k heads | v heads]. One program per token
 rotates the q heads in place (attention reads them straight from that buffer), rotates the k heads,
-and stores k and v into the cache slot `slot_mapping[t]` (skipped when -1: padding). Optional per-head
+and stores k and v into the cache slot `slot_mapping[t]` (skipped when -1: padding). Or the row comes
+as the split-K GEMM's fp32 partials (`qkv_parts`, plus the bias if any): summed here and rounded as a
+one-piece GEMM would round them; then only the q part of `qkv` is written (the rotated q). Optional per-head
 RMSNorm of q and k before the rotation (Qwen3). cos/sin come from tables precomputed at load time
 (`rope_tables`), Llama-3 frequency scaling included, so the step does no trigonometry.
 """
@@ -39,8 +41,23 @@ def _head_rms(x1, x2, w_ptr, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _qkv_tile(row, part_row, bias_ptr, off, mask, part_stride, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A tile of this token's QKV row: from qkv, or the sum of the PARTS fp32 partials (+ bias)."""
+    if PARTS == 0:
+        return tl.load(row + off, mask=mask, other=0.0)
+    acc = tl.load(part_row + off, mask=mask, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        acc += tl.load(part_row + p * part_stride + off, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    return acc.to(row.dtype.element_ty)
+
+
+@triton.jit
 def _rope_cache_write_kernel(
     qkv_ptr,
+    parts_ptr,
+    bias_ptr,
     positions_ptr,
     slot_ptr,
     cos_ptr,
@@ -50,6 +67,7 @@ def _rope_cache_write_kernel(
     q_norm_ptr,
     k_norm_ptr,
     qkv_stride,
+    part_stride,
     max_positions,
     eps,
     NUM_HEADS: tl.constexpr,
@@ -58,11 +76,14 @@ def _rope_cache_write_kernel(
     HKV_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr,
+    PARTS: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * qkv_stride
+    part_row = parts_ptr + t * ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
     pos = tl.load(positions_ptr + t)
     # An out-of-table position is a scheduler bug; clamp so it cannot fault (the host checks bounds).
     pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
@@ -77,8 +98,8 @@ def _rope_cache_write_kernel(
     hq = tl.arange(0, HQ_PAD)[:, None]
     qmask = hq < NUM_HEADS
     q_off = hq * HEAD_DIM + d[None, :]
-    q1 = tl.load(row + q_off, mask=qmask, other=0.0)
-    q2 = tl.load(row + q_off + HALF, mask=qmask, other=0.0)
+    q1 = _qkv_tile(row, part_row, bias_ptr, q_off, qmask, part_stride, PARTS, HAS_BIAS)
+    q2 = _qkv_tile(row, part_row, bias_ptr, q_off + HALF, qmask, part_stride, PARTS, HAS_BIAS)
     if QK_NORM:
         a, b = _head_rms(q1, q2, q_norm_ptr, eps, HALF, HEAD_DIM)
     else:
@@ -92,16 +113,16 @@ def _rope_cache_write_kernel(
     hk = tl.arange(0, HKV_PAD)[:, None]
     kmask = hk < NUM_KV_HEADS
     k_off = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + d[None, :]
-    k1 = tl.load(row + k_off, mask=kmask, other=0.0)
-    k2 = tl.load(row + k_off + HALF, mask=kmask, other=0.0)
+    k1 = _qkv_tile(row, part_row, bias_ptr, k_off, kmask, part_stride, PARTS, HAS_BIAS)
+    k2 = _qkv_tile(row, part_row, bias_ptr, k_off + HALF, kmask, part_stride, PARTS, HAS_BIAS)
     if QK_NORM:
         a, b = _head_rms(k1, k2, k_norm_ptr, eps, HALF, HEAD_DIM)
     else:
         a = k1.to(tl.float32)
         b = k2.to(tl.float32)
     v_off = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + hk * HEAD_DIM + d[None, :]
-    v1 = tl.load(row + v_off, mask=kmask, other=0.0)
-    v2 = tl.load(row + v_off + HALF, mask=kmask, other=0.0)
+    v1 = _qkv_tile(row, part_row, bias_ptr, v_off, kmask, part_stride, PARTS, HAS_BIAS)
+    v2 = _qkv_tile(row, part_row, bias_ptr, v_off + HALF, kmask, part_stride, PARTS, HAS_BIAS)
     wmask = kmask & ((hk * 0 + slot) >= 0)  # broadcast the scalar test to the tile
     c_off = tl.maximum(slot, 0) * (NUM_KV_HEADS * HEAD_DIM) + hk * HEAD_DIM + d[None, :]
     cdt = k_cache_ptr.dtype.element_ty
@@ -126,8 +147,12 @@ def rope_and_cache_write(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     pdl: bool = False,
+    qkv_parts: torch.Tensor | None = None,
+    qkv_bias: torch.Tensor | None = None,
 ) -> None:
     """qkv: [T, (num_heads + 2*num_kv_heads) * head_dim], q rotated in place.
+    qkv_parts: the QKV GEMM's split-K partials instead, fp32 [P, T, (num_heads + 2*num_kv_heads) *
+    head_dim] contiguous, summed (+ qkv_bias) here; the rotated q is written to qkv's q columns.
 
     k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
     positions, slot_mapping: [T] int64. cos/sin: [max_positions, head_dim // 2] fp32.
@@ -141,10 +166,19 @@ def rope_and_cache_write(
         raise ValueError(f"rope_and_cache_write: head_dim {head_dim} must be a power of two")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("rope_and_cache_write: q_norm and k_norm come together")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv_parts is not None and (
+        qkv_parts.dtype != torch.float32 or qkv_parts.shape[1:] != (tokens, width) or not qkv_parts.is_contiguous()
+    ):
+        raise ValueError(f"rope_and_cache_write: qkv_parts {tuple(qkv_parts.shape)} must be fp32 [P, {tokens}, {width}]")
+    if qkv_bias is not None and qkv_parts is None:
+        raise ValueError("rope_and_cache_write: qkv_bias goes with qkv_parts (a one-piece GEMM adds its own)")
     if tokens == 0:
         return
     _rope_cache_write_kernel[(tokens,)](
         qkv,
+        qkv_parts if qkv_parts is not None else cos,
+        qkv_bias if qkv_bias is not None else cos,
         positions,
         slot_mapping,
         cos,
@@ -154,6 +188,7 @@ def rope_and_cache_write(
         q_norm if q_norm is not None else cos,
         k_norm if k_norm is not None else cos,
         qkv.stride(0),
+        tokens * width,
         cos.shape[0],
         eps,
         NUM_HEADS=num_heads,
@@ -162,6 +197,8 @@ def rope_and_cache_write(
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         QK_NORM=q_norm is not None,
+        PARTS=0 if qkv_parts is None else qkv_parts.shape[0],
+        HAS_BIAS=qkv_bias is not None,
         USE_PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,

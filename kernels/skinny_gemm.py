@@ -1,9 +1,10 @@
-"""GEMM for few rows (decode buckets): out[M, N] = x[M, K] @ W[N, K]^T with M <= 16, split over K.
+"""GEMM for few rows (decode buckets): out[M, N] = x[M, K] @ W[N, K]^T, M up to 256, split over K.
 
 Decode-sized GEMMs are weight-streaming problems: every byte of W is read once and the arithmetic is
 free. The kernel is written "swap-AB": a program's weight tile [BLOCK_N, BLOCK_K] is the MMA's A
 operand (M side, so Hopper's warpgroup MMA with M = 64 applies) and the few tokens are its N side
-(x^T tile [BLOCK_K, 16]); acc[BLOCK_N, 16] is stored transposed. With the tokens on the A side
+(x^T tile [BLOCK_K, BLOCK_T], all M rows in one tile, BLOCK_T >= 16); acc[BLOCK_N, BLOCK_T] is stored
+transposed. Every weight byte is read by exactly one program. With the tokens on the A side
 instead (an earlier version) the MMA ran at M = 16 and the step was slower than cuBLAS.
 Narrow N (the O projection of a small model) leaves too few programs, so K can be cut into SPLIT_K
 slices: they land in fp32 partials `[SPLIT_K, M, N]`, summed by `sum_partials` or by the consumer
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 16  # token columns of the MMA (M is padded to it)
+MAX_ROWS = 256  # every row sits in one token tile (BLOCK_T), so the weights are read once
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def skinny_gemm(
     silu_gate: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """x: [M, K] (M <= 16), or [M, 2K] gate|up with silu_gate; w: [N, K] (any strides: row-major, or
+    """x: [M, K] (M <= 256, padded to a power of two >= 16 in the MMA), or [M, 2K] gate|up with silu_gate; w: [N, K] (any strides: row-major, or
     the transposed view of a [K, N] matrix); out: [M, N] when split_k == 1, else fp32 partials holding
     at least split_k * M * N elements (laid out [split_k, M, N]). pdl: launch as a programmatic
     dependent (sm_90+; waits for the kernel before prior to reading x)."""
@@ -116,8 +117,8 @@ def skinny_gemm(
     if silu_gate:
         K //= 2
     N = w.shape[0]
-    if M > BLOCK_T:
-        raise ValueError(f"skinny_gemm: at most {BLOCK_T} rows, got {M}")
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_gemm: at most {MAX_ROWS} rows, got {M}")
     if w.shape[1] != K or x.stride(1) != 1:
         raise ValueError(
             f"skinny_gemm: x {tuple(x.shape)} must be row-major [M,K] and w {tuple(w.shape)} [N,K]"
@@ -130,7 +131,7 @@ def skinny_gemm(
     even = N % block_n == 0 and K % k_per_split == 0
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), split_k)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), out.stride(0) if split_k == 1 else N,
-        k_per_split, BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        k_per_split, BLOCK_T=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         SILU_GATE=silu_gate, EVEN=even, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
         num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,

@@ -43,8 +43,13 @@ def _fresh_kv(config, dtype, device):
     return kv
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
-def test_fixed_shape_forward_matches_reference_fp32(preset):
+@pytest.mark.parametrize(
+    "preset,triton_gemm_max_tokens",
+    # 64: bucket 32 runs O, gate+up and down through the Triton GEMM (all rows in one tile, split-K
+    # partials summed by the norms); 0: cuBLAS for every projection.
+    [("tiny", 64), ("tiny-qwen2", 64), ("tiny-qwen3", 64), ("tiny", 0)],
+)
+def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens):
     ckpt = load_checkpoint(f"dummy:{preset}", seed=3)
     cfg = ckpt.config
     ref_model = build_model(ckpt, torch.float32, DEVICE)
@@ -53,13 +58,14 @@ def test_fixed_shape_forward_matches_reference_fp32(preset):
     fwd = GpuForward(
         cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
         max_tokens=BUCKET, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
+        triton_gemm_max_tokens=triton_gemm_max_tokens,
     )  # fmt: skip
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
     for chunks in STEPS:
         batch = seqs.batch(chunks)
         want = ref_model(_to(batch, DEVICE), ref_kv)
         _poison(fwd)
-        assert BUCKET > 16  # these steps take the cuBLAS O/down path
+        assert BUCKET > 16  # not the few-row path (SiLU in the down GEMM's prologue)
         fwd.load_batch(batch, BUCKET)
         got = fwd.step(BUCKET)
         R = batch.sample_rows.shape[0]
@@ -74,7 +80,7 @@ def test_fixed_shape_forward_matches_reference_fp32(preset):
             assert ((a - b).norm() / b.norm()).item() < 1e-5, f"{name} cache differs"
 
     # A decode-only step in a small bucket: the few-row path (split-K O/down GEMMs, SiLU in the
-    # down GEMM's prologue, partials summed by the norms).
+    # down GEMM's prologue, partials summed by the norms), or cuBLAS with triton_gemm_max_tokens=0.
     batch = seqs.batch([(s, [40 + s]) for s in range(5)])
     want = ref_model(_to(batch, DEVICE), ref_kv)
     _poison(fwd)

@@ -168,12 +168,18 @@ ROPE_CASES = (
 
 @pytest.mark.parametrize("case", ROPE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_cache_write(case, dtype):
+@pytest.mark.parametrize("source", ["qkv", "parts"])
+def test_rope_and_cache_write(case, dtype, source):
+    """source "parts": the row arrives as 3 fp32 split-K partials plus a bias (the Triton QKV GEMM)."""
     H, HKV, D, scaled, qk_norm = case
     cfg = _rope_config(D, scaled, qk_norm, H, HKV)
     T, num_blocks, bs, max_pos = 11, 7, 4, 20000
     gen = torch.Generator().manual_seed(7)
     qkv = torch.randn(T, (H + 2 * HKV) * D, generator=gen).to(dtype)
+    if source == "parts":
+        parts = torch.randn(3, *qkv.shape, generator=gen)
+        bias = torch.randn(qkv.shape[1], generator=gen).to(dtype)
+        qkv = (parts[0] + parts[1] + parts[2] + bias.float()).to(dtype)  # the kernel's order of sums
     # Positions far out exercise Llama-3's scaled low frequencies; slot -1 rows are padding.
     positions = torch.randint(0, max_pos, (T,), generator=gen)
     slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
@@ -194,7 +200,12 @@ def test_rope_and_cache_write(case, dtype):
     q_want, k_want = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cos_t, sin_t = rope_tables(inv, max_pos, DEVICE)
-    qkv_d, kc, vc = qkv.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE)
+    # A copy even on the CPU (.to would alias there), so the checks below compare against the input.
+    qkv_d, kc, vc = qkv.clone().to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE)
+    extra = {}
+    if source == "parts":
+        qkv_d.fill_(float("nan"))  # only the partials carry the row; q is written here
+        extra = dict(qkv_parts=parts.to(DEVICE), qkv_bias=bias.to(DEVICE))
     rope_and_cache_write(
         qkv_d,
         positions.to(DEVICE),
@@ -209,6 +220,7 @@ def test_rope_and_cache_write(case, dtype):
         q_norm=None if q_norm is None else q_norm.to(DEVICE),
         k_norm=None if k_norm is None else k_norm.to(DEVICE),
         eps=1e-6,
+        **extra,
     )
     got_q = qkv_d[:, : H * D].view(T, H, D).cpu()
     assert rel(got_q, q_want) < tol(dtype)
@@ -220,4 +232,7 @@ def test_rope_and_cache_write(case, dtype):
     untouched[slots[write]] = False
     assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all(), "wrote a -1 slot"
     # k and v in the qkv buffer are left as they were (only q is rotated in place).
-    assert torch.equal(qkv_d[:, H * D :].cpu(), qkv[:, H * D :])
+    if source == "qkv":
+        assert torch.equal(qkv_d[:, H * D :].cpu(), qkv[:, H * D :])
+    else:
+        assert torch.isnan(qkv_d[:, H * D :]).all()

@@ -15,7 +15,9 @@ from blink_appliance.kernels.skinny_gemm import skinny_gemm, sum_partials  # noq
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 SHAPES = (
-    [(8, 3072, 2048), (5, 2048, 8192), (16, 1000, 576)] if GPU else [(3, 40, 72), (8, 64, 256), (1, 17, 33)]
+    [(8, 3072, 2048), (5, 2048, 8192), (16, 1000, 576), (128, 2048, 2048), (100, 1000, 576)]
+    if GPU
+    else [(3, 40, 72), (8, 64, 256), (1, 17, 33), (37, 24, 64)]  # 37 rows: a 64-row token tile
 )
 
 
@@ -41,8 +43,8 @@ def test_skinny_gemm(shape, split_k):
 
 
 def test_skinny_gemm_refuses_many_rows():
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        skinny_gemm(torch.zeros(17, 8), torch.zeros(8, 8), torch.zeros(17, 8))
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        skinny_gemm(torch.zeros(257, 8), torch.zeros(8, 8), torch.zeros(257, 8))
 
 
 @pytest.mark.parametrize("split_k", [1, 4])

@@ -7,8 +7,9 @@ replayed by the device-resident loop, which writes the inputs and reads `logits`
 
 Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
 paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
-GEMM. GEMMs run through cuBLAS, except in decode buckets of <= 16 tokens, where O, gate+up and down
-run through the swap-AB Triton GEMM (SKINNY_MAX_TOKENS; SiLU*up moves into the down GEMM's prologue).
+GEMM. GEMMs run through cuBLAS, except in decode-sized buckets (<= 64 tokens by default), where O,
+gate+up and down run through the swap-AB Triton GEMM (`decode_gemms`; up to 16 tokens QKV too, its
+split-K partials summed by RoPE, and SiLU*up moves into the down GEMM's prologue).
 The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
 
@@ -17,7 +18,7 @@ It computes the same function as the reference model in llama.py (the tests comp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -43,25 +44,72 @@ class AttentionConfig:
 
 
 def attention_config(num_tokens: int) -> AttentionConfig:
-    """Per bucket, from the H100 sweep (bench_forward.py --attn-sweep, docs/gpu_forward.md): decode
-    buckets have few programs per layer, so key ranges are split to put more loads in flight and small
-    programs (2 warps) start faster; from 128 tokens on there are programs enough and the merge kernel
-    would cost more than it saves; prefill-heavy buckets take 16-token query tiles and 64-key tiles."""
+    """Per bucket, from H100 sweeps (bench/attention_chain.py: 16 layers' launches in one graph, as the
+    step runs them; docs/gpu_forward.md): decode buckets have few programs per layer, so key ranges are
+    split to put more loads in flight and small programs (1-2 warps) start faster; from 128 tokens on
+    there are programs enough and the merge kernel would cost more than it saves; prefill-heavy buckets
+    take 16-token query tiles and 64-key tiles."""
     if num_tokens <= 8:
-        return AttentionConfig(block_q=4, block_n=32, splits=8, num_warps=2, num_stages=2)
+        return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
         return AttentionConfig(block_q=4, block_n=32, splits=4, num_warps=2, num_stages=2)
     if num_tokens <= 128:
-        return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=4, num_stages=2)
+        return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=2, num_stages=2)
     return AttentionConfig(block_q=16, block_n=64, splits=1, num_warps=4, num_stages=3)
 
 
-# With skinny_decode_gemms, decode buckets up to this many tokens run the O, gate+up and down
-# projections through the few-row swap-AB Triton GEMM (kernels/skinny_gemm.py): O and down split K
-# into fp32 partials that the next add+RMSNorm sums, and SiLU*up is computed in the down GEMM's
-# prologue (no activation kernel, no cuBLAS split-K reduce kernel).
-SKINNY_MAX_TOKENS = 16
-SKINNY_SPLIT_K = 4
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Launch shape of one swap-AB Triton GEMM (kernels/skinny_gemm.py)."""
+
+    split_k: int = 1  # > 1: fp32 partials, summed by the consumer (add+RMSNorm)
+    block_n: int = 64  # weight rows per program (the MMA's M side)
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class DecodeGemms:
+    """Which Triton GEMMs a bucket runs in place of cuBLAS: O, gate+up, down, and QKV where it pays.
+    O and down split K into fp32 partials that the next add+RMSNorm sums, QKV into partials that RoPE
+    sums, so there is no split-K reduce kernel."""
+
+    qkv: GemmLaunch | None  # None: cuBLAS
+    o: GemmLaunch
+    gate_up: GemmLaunch
+    down: GemmLaunch
+    silu_in_down: bool  # SiLU*up in the down GEMM's prologue instead of its own kernel
+
+
+def decode_gemms(num_tokens: int) -> DecodeGemms | None:
+    """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
+    bench/results/2026-11-23-h100-gemm-chain*.json). None: cuBLAS (prefill-sized buckets, where the
+    GEMMs are compute-bound and cuBLAS wins).
+
+    Up to 16 tokens the SiLU runs in the down GEMM's prologue: recomputed per weight tile, which is free
+    at a few rows but costs 5x at 128 (the activation kernel then stays). From 17 to 128 tokens all rows
+    sit in one 8-warp tile (weights read once); against cuBLAS at 128 tokens: O 103 vs 116 us, gate+up
+    437 vs 445, down 260 vs 312 (no reduce kernel), per 16 layers. In the whole step that won at 32
+    tokens (1B: 1.463 -> 1.374 ms) but not at 128 (1.835 vs 1.839; 8B 8.35 vs 8.43), hence GpuForward's
+    default of 64 (bench/results/2026-11-23-h100-forward-triton-qkv.md)."""
+    if num_tokens <= 16:
+        return DecodeGemms(
+            qkv=GemmLaunch(split_k=4, block_k=64),
+            o=GemmLaunch(split_k=4),
+            gate_up=GemmLaunch(block_n=128, block_k=64),
+            down=GemmLaunch(split_k=4),
+            silu_in_down=True,
+        )
+    if num_tokens <= 128:
+        return DecodeGemms(
+            qkv=None,  # 134 vs cuBLAS 131 us at 128 tokens
+            o=GemmLaunch(split_k=4, block_k=64, num_warps=8),
+            gate_up=GemmLaunch(block_k=64, num_warps=8),
+            down=GemmLaunch(split_k=4, block_k=128, num_warps=8),
+            silu_in_down=False,
+        )
+    return None
 
 
 def in_major(matrix: torch.Tensor) -> torch.Tensor:
@@ -254,9 +302,10 @@ class GpuForward:
         max_blocks_per_seq: int,
         max_context_len: int | None = None,
         residual_fp32: bool = True,
-        skinny_decode_gemms: bool = True,
+        triton_gemm_max_tokens: int = 64,
         lm_head_fp32_out: bool | None = None,
         pdl: bool | None = None,
+        triton_qkv: bool = True,
     ) -> None:
         c = config
         self.config = c
@@ -295,7 +344,10 @@ class GpuForward:
         self._gate_up = buf(T, 2 * c.intermediate_size)
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
-        self.skinny_decode_gemms = skinny_decode_gemms
+        # Buckets up to this many tokens take the Triton GEMMs of `decode_gemms` (0: cuBLAS throughout);
+        # triton_qkv=False keeps QKV on cuBLAS even where `decode_gemms` gives it a launch.
+        self.triton_gemm_max_tokens = triton_gemm_max_tokens
+        self.triton_qkv = triton_qkv
         # Programmatic dependent launch (Hopper+): every Triton kernel of the step launches while the
         # kernel before it drains, does what needs only the step's inputs and weights, then waits for
         # it (griddepcontrol.wait) before reading its outputs and before writing anything.
@@ -303,11 +355,13 @@ class GpuForward:
         if pdl is None:
             pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.pdl = pdl
-        rows = min(SKINNY_MAX_TOKENS, T)
-        self._o_parts = buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
-        self._down_parts = (
-            buf(SKINNY_SPLIT_K * rows * H, dtype=torch.float32) if skinny_decode_gemms else None
-        )
+        plans = [(t, self._gemms(t)) for t in range(1, T + 1)]
+        qkv_rows = max((g.qkv.split_k * t for t, g in plans if g and g.qkv), default=0)
+        self._qkv_parts = buf(qkv_rows * (c.q_size + 2 * c.kv_size), dtype=torch.float32) if qkv_rows else None
+        o_rows = max((g.o.split_k * t for t, g in plans if g and g.o.split_k > 1), default=0)
+        down_rows = max((g.down.split_k * t for t, g in plans if g and g.down.split_k > 1), default=0)
+        self._o_parts = buf(o_rows * H, dtype=torch.float32) if o_rows else None
+        self._down_parts = buf(down_rows * H, dtype=torch.float32) if down_rows else None
         split_rows = max(
             (attention_config(t).splits * t for t in range(1, T + 1) if attention_config(t).splits > 1),
             default=0,
@@ -324,6 +378,10 @@ class GpuForward:
         self._logits_lp = buf(max_seqs, c.vocab_size) if lp else None
         # fp32 logits of the sampled rows: what the sampler reads. Row r is for sample_rows[r].
         self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
+
+    def _gemms(self, num_tokens: int) -> DecodeGemms | None:
+        g = decode_gemms(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else None
+        return replace(g, qkv=None) if g and not self.triton_qkv else g
 
     def num_sample_rows(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_seqs)
@@ -345,28 +403,31 @@ class GpuForward:
         ac = attention_config(T)
 
         H = c.hidden_size
-        skinny = self.skinny_decode_gemms and T <= SKINNY_MAX_TOKENS
-        parts = SKINNY_SPLIT_K if skinny else 1
-        if skinny:
-            o_out = self._o_parts[: parts * T * H].view(parts, T, H)
-            mlp_out = self._down_parts[: parts * T * H].view(parts, T, H)
-        else:
-            o_out = mlp_out = proj
+        g = self._gemms(T)
+        o_parts = g.o.split_k if g else 1
+        down_parts = g.down.split_k if g else 1
+        o_out = self._o_parts[: o_parts * T * H].view(o_parts, T, H) if o_parts > 1 else proj
+        mlp_out = self._down_parts[: down_parts * T * H].view(down_parts, T, H) if down_parts > 1 else proj
 
         torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
             if i == 0:
                 add_rmsnorm(proj, layer.input_norm, x, eps, residual=h, residual_in=False)
             else:
-                add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=parts, pdl=self.pdl)
-            if layer.qkv_bias is not None:
+                add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
+            qkv_parts = bias = None
+            if g and g.qkv:  # split-K partials; RoPE sums them (and adds the bias)
+                qkv_parts = self._qkv_parts[: g.qkv.split_k * qkv.numel()].view(g.qkv.split_k, *qkv.shape)
+                skinny_gemm(x, layer.qkv, qkv_parts, **asdict(g.qkv), pdl=self.pdl)
+                bias = layer.qkv_bias
+            elif layer.qkv_bias is not None:
                 torch.addmm(layer.qkv_bias, x, layer.qkv.t(), out=qkv)
             else:
                 torch.mm(x, layer.qkv.t(), out=qkv)
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
             rope_and_cache_write(
-                qkv, positions, slots, self.cos, self.sin, k_cache, v_cache,
-                c.num_heads, c.num_kv_heads, c.head_dim, layer.q_norm, layer.k_norm, eps, pdl=self.pdl,
+                qkv, positions, slots, self.cos, self.sin, k_cache, v_cache, c.num_heads, c.num_kv_heads,
+                c.head_dim, layer.q_norm, layer.k_norm, eps, pdl=self.pdl, qkv_parts=qkv_parts, qkv_bias=bias,
             )  # fmt: skip
             paged_attention(
                 qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
@@ -374,14 +435,18 @@ class GpuForward:
                 block_n=ac.block_n, num_splits=ac.splits, partials=self._attn_partials,
                 num_warps=ac.num_warps, num_stages=ac.num_stages, pdl=self.pdl,
             )  # fmt: skip
-            if skinny:
-                skinny_gemm(attn, layer.o_proj, o_out, split_k=parts, pdl=self.pdl)
+            if g:
+                skinny_gemm(attn, layer.o_proj, o_out, **asdict(g.o), pdl=self.pdl)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
-            add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=parts, pdl=self.pdl)
-            if skinny:
-                skinny_gemm(x, layer.gate_up, gate_up, block_n=128, block_k=64, pdl=self.pdl)
-                skinny_gemm(gate_up, layer.down, mlp_out, split_k=parts, silu_gate=True, pdl=self.pdl)
+            add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
+            if g:
+                skinny_gemm(x, layer.gate_up, gate_up, **asdict(g.gate_up), pdl=self.pdl)
+                if g.silu_in_down:
+                    skinny_gemm(gate_up, layer.down, mlp_out, **asdict(g.down), silu_gate=True, pdl=self.pdl)
+                else:
+                    silu_and_mul(gate_up, act, pdl=self.pdl)
+                    skinny_gemm(act, layer.down, mlp_out, **asdict(g.down), pdl=self.pdl)
             else:
                 torch.mm(x, layer.gate_up.t(), out=gate_up)
                 silu_and_mul(gate_up, act)
@@ -396,7 +461,7 @@ class GpuForward:
             residual=h,
             write_residual=False,
             rows=inp.sample_rows[:R],
-            x_parts=parts,
+            x_parts=down_parts,
         )
         if self.lm_head_fp32_out:
             torch.mm(final, w.lm_head.t(), out_dtype=torch.float32, out=self.logits[:R])
