@@ -10,8 +10,8 @@ do_bench, L2 flushed), on the same decode workload:
 A variant is a "+"-joined set of levers on top of the forward with every option off (row-major
 weights, cuBLAS everywhere, bf16 logits plus a cast):
 - skinny: decode buckets (<= 16 tokens) run O, gate+up and down through the swap-AB Triton GEMM.
-- skinny64, skinny128: the same up to 64 or 128 tokens (`decode_gemms`: from 17 tokens on, all rows
-  in one 8-warp tile and the SiLU in its own kernel).
+- skinny64, skinny128: Triton GEMMs up to 64 or 128 tokens, as `decode_gemms` gives them (from 17
+  tokens on all rows in one 8-warp tile and the SiLU in its own kernel; above 64 only down).
 - tqkv: with skinny, QKV through the Triton GEMM too (<= 16 tokens; RoPE sums its split-K partials).
 - lmfp32: the LM head writes fp32 logits itself (mm out_dtype) instead of bf16 plus a cast kernel.
 - nn: projection weights stored [in, out] contiguous (`in_major`, now the default), so cuBLAS runs

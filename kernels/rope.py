@@ -4,9 +4,9 @@ The QKV projection leaves each token's row as [q heads | k heads | v heads]. One
 rotates the q heads in place (attention reads them straight from that buffer), rotates the k heads,
 and stores k and v into the cache slot `slot_mapping[t]` (skipped when -1: padding). Or the row comes
 as the split-K GEMM's fp32 partials (`qkv_parts`, plus the bias if any): summed here and rounded as a
-one-piece GEMM would round them; then only the q part of `qkv` is written (the rotated q). Optional per-head
-RMSNorm of q and k before the rotation (Qwen3). cos/sin come from tables precomputed at load time
-(`rope_tables`), Llama-3 frequency scaling included, so the step does no trigonometry.
+one-piece GEMM would round them; then only the q part of `qkv` is written (the rotated q). Optional
+per-head RMSNorm of q and k before the rotation (Qwen3). cos/sin come from tables precomputed at load
+time (`rope_tables`), Llama-3 frequency scaling included, so the step does no trigonometry.
 """
 
 from __future__ import annotations
@@ -168,9 +168,13 @@ def rope_and_cache_write(
         raise ValueError("rope_and_cache_write: q_norm and k_norm come together")
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv_parts is not None and (
-        qkv_parts.dtype != torch.float32 or qkv_parts.shape[1:] != (tokens, width) or not qkv_parts.is_contiguous()
+        qkv_parts.dtype != torch.float32
+        or qkv_parts.shape[1:] != (tokens, width)
+        or not qkv_parts.is_contiguous()
     ):
-        raise ValueError(f"rope_and_cache_write: qkv_parts {tuple(qkv_parts.shape)} must be fp32 [P, {tokens}, {width}]")
+        raise ValueError(
+            f"rope_and_cache_write: qkv_parts {tuple(qkv_parts.shape)} must be fp32 [P, {tokens}, {width}]"
+        )
     if qkv_bias is not None and qkv_parts is None:
         raise ValueError("rope_and_cache_write: qkv_bias goes with qkv_parts (a one-piece GEMM adds its own)")
     if tokens == 0:

@@ -109,10 +109,11 @@ def skinny_gemm(
     silu_gate: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """x: [M, K] (M <= 256, padded to a power of two >= 16 in the MMA), or [M, 2K] gate|up with silu_gate; w: [N, K] (any strides: row-major, or
-    the transposed view of a [K, N] matrix); out: [M, N] when split_k == 1, else fp32 partials holding
-    at least split_k * M * N elements (laid out [split_k, M, N]). pdl: launch as a programmatic
-    dependent (sm_90+; waits for the kernel before prior to reading x)."""
+    """x: [M, K] (M <= 256, padded to a power of two >= 16 in the MMA), or [M, 2K] gate|up with
+    silu_gate; w: [N, K] (any strides: row-major, or the transposed view of a [K, N] matrix); out:
+    [M, N] when split_k == 1, else fp32 partials holding at least split_k * M * N elements (laid out
+    [split_k, M, N]). pdl: launch as a programmatic dependent (sm_90+; waits for the kernel before
+    prior to reading x)."""
     M, K = x.shape
     if silu_gate:
         K //= 2
@@ -131,9 +132,9 @@ def skinny_gemm(
     even = N % block_n == 0 and K % k_per_split == 0
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), split_k)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), out.stride(0) if split_k == 1 else N,
-        k_per_split, BLOCK_T=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        SILU_GATE=silu_gate, EVEN=even, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl,
+        k_per_split, BLOCK_T=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, SILU_GATE=silu_gate, EVEN=even,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

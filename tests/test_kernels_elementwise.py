@@ -236,3 +236,15 @@ def test_rope_and_cache_write(case, dtype, source):
         assert torch.equal(qkv_d[:, H * D :].cpu(), qkv[:, H * D :])
     else:
         assert torch.isnan(qkv_d[:, H * D :]).all()
+
+
+def test_rope_and_cache_write_refuses_mismatched_partials():
+    H, HKV, D, T = 4, 2, 16, 3
+    qkv = torch.zeros(T, (H + 2 * HKV) * D)
+    cache = torch.zeros(2, 4, HKV, D)
+    cos = sin = torch.zeros(8, D // 2)
+    args = (qkv, torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), cos, sin, cache, cache)
+    with pytest.raises(ValueError, match="must be fp32"):
+        rope_and_cache_write(*args, H, HKV, D, qkv_parts=torch.zeros(2, T + 1, qkv.shape[1]))
+    with pytest.raises(ValueError, match="qkv_bias goes with qkv_parts"):
+        rope_and_cache_write(*args, H, HKV, D, qkv_bias=torch.zeros(qkv.shape[1]))

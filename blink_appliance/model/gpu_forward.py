@@ -71,28 +71,39 @@ class GemmLaunch:
 
 @dataclass(frozen=True)
 class DecodeGemms:
-    """Which Triton GEMMs a bucket runs in place of cuBLAS: O, gate+up, down, and QKV where it pays.
-    O and down split K into fp32 partials that the next add+RMSNorm sums, QKV into partials that RoPE
-    sums, so there is no split-K reduce kernel."""
+    """Which projections of a bucket run through the swap-AB Triton GEMM (a launch shape) and which
+    through cuBLAS (None). O and down split K into fp32 partials that the next add+RMSNorm sums, QKV
+    into partials that RoPE sums, so there is no split-K reduce kernel."""
 
-    qkv: GemmLaunch | None  # None: cuBLAS
-    o: GemmLaunch
-    gate_up: GemmLaunch
-    down: GemmLaunch
-    silu_in_down: bool  # SiLU*up in the down GEMM's prologue instead of its own kernel
+    qkv: GemmLaunch | None = None
+    o: GemmLaunch | None = None
+    gate_up: GemmLaunch | None = None
+    down: GemmLaunch | None = None
+    silu_in_down: bool = False  # SiLU*up in the down GEMM's prologue instead of its own kernel
+
+    def __post_init__(self) -> None:
+        if self.silu_in_down and self.down is None:
+            raise ValueError("silu_in_down needs the Triton down GEMM")
 
 
-def decode_gemms(num_tokens: int) -> DecodeGemms | None:
+CUBLAS_GEMMS = DecodeGemms()
+
+
+def decode_gemms(num_tokens: int) -> DecodeGemms:
     """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
-    bench/results/2026-11-23-h100-gemm-chain*.json). None: cuBLAS (prefill-sized buckets, where the
-    GEMMs are compute-bound and cuBLAS wins).
+    bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py).
+    Prefill-sized buckets are compute-bound and take cuBLAS.
 
-    Up to 16 tokens the SiLU runs in the down GEMM's prologue: recomputed per weight tile, which is free
-    at a few rows but costs 5x at 128 (the activation kernel then stays). From 17 to 128 tokens all rows
-    sit in one 8-warp tile (weights read once); against cuBLAS at 128 tokens: O 103 vs 116 us, gate+up
-    437 vs 445, down 260 vs 312 (no reduce kernel), per 16 layers. In the whole step that won at 32
-    tokens (1B: 1.463 -> 1.374 ms) but not at 128 (1.835 vs 1.839; 8B 8.35 vs 8.43), hence GpuForward's
-    default of 64 (bench/results/2026-11-23-h100-forward-triton-qkv.md)."""
+    Up to 16 tokens everything is Triton and the SiLU runs in the down GEMM's prologue: recomputed per
+    weight tile, which is free at a few rows but costs 5x at 128 (the activation kernel then stays).
+    From 17 tokens on all rows sit in one 8-warp tile (weights read once); against cuBLAS at 128 tokens:
+    QKV 134 vs 131 us, O 103 vs 116, gate+up 437 vs 445, down 260 vs 312 (no reduce kernel), per 16
+    layers. In the whole step O, gate+up and down together won at 32 tokens (1B: 1.463 -> 1.374 ms) but
+    not at 128 (1.835 vs 1.839; 8B 8.35 vs 8.43). Above 64 tokens only down, the chain's one large win,
+    is offered: 1B T=128 1.843 -> 1.810 ms in bf16. It is not GpuForward's default (64) because these
+    bf16-tuned shapes do not fit shared memory for fp32 weights at 128 rows (down: 288 KB; the loop
+    tests' fp32 model fails to compile there) and nothing lowers the stages for fp32 yet
+    (bench/results/2026-11-23-h100-forward-triton-qkv.md)."""
     if num_tokens <= 16:
         return DecodeGemms(
             qkv=GemmLaunch(split_k=4, block_k=64),
@@ -101,15 +112,16 @@ def decode_gemms(num_tokens: int) -> DecodeGemms | None:
             down=GemmLaunch(split_k=4),
             silu_in_down=True,
         )
-    if num_tokens <= 128:
+    down = GemmLaunch(split_k=4, block_k=128, num_warps=8)
+    if num_tokens <= 64:
         return DecodeGemms(
-            qkv=None,  # 134 vs cuBLAS 131 us at 128 tokens
             o=GemmLaunch(split_k=4, block_k=64, num_warps=8),
             gate_up=GemmLaunch(block_k=64, num_warps=8),
-            down=GemmLaunch(split_k=4, block_k=128, num_warps=8),
-            silu_in_down=False,
+            down=down,
         )
-    return None
+    if num_tokens <= 128:
+        return DecodeGemms(down=down)
+    return CUBLAS_GEMMS
 
 
 def in_major(matrix: torch.Tensor) -> torch.Tensor:
@@ -356,10 +368,12 @@ class GpuForward:
             pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.pdl = pdl
         plans = [(t, self._gemms(t)) for t in range(1, T + 1)]
-        qkv_rows = max((g.qkv.split_k * t for t, g in plans if g and g.qkv), default=0)
-        self._qkv_parts = buf(qkv_rows * (c.q_size + 2 * c.kv_size), dtype=torch.float32) if qkv_rows else None
-        o_rows = max((g.o.split_k * t for t, g in plans if g and g.o.split_k > 1), default=0)
-        down_rows = max((g.down.split_k * t for t, g in plans if g and g.down.split_k > 1), default=0)
+        qkv_rows = max((g.qkv.split_k * t for t, g in plans if g.qkv), default=0)
+        self._qkv_parts = (
+            buf(qkv_rows * (c.q_size + 2 * c.kv_size), dtype=torch.float32) if qkv_rows else None
+        )
+        o_rows = max((g.o.split_k * t for t, g in plans if g.o and g.o.split_k > 1), default=0)
+        down_rows = max((g.down.split_k * t for t, g in plans if g.down and g.down.split_k > 1), default=0)
         self._o_parts = buf(o_rows * H, dtype=torch.float32) if o_rows else None
         self._down_parts = buf(down_rows * H, dtype=torch.float32) if down_rows else None
         split_rows = max(
@@ -379,9 +393,9 @@ class GpuForward:
         # fp32 logits of the sampled rows: what the sampler reads. Row r is for sample_rows[r].
         self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
 
-    def _gemms(self, num_tokens: int) -> DecodeGemms | None:
-        g = decode_gemms(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else None
-        return replace(g, qkv=None) if g and not self.triton_qkv else g
+    def _gemms(self, num_tokens: int) -> DecodeGemms:
+        g = decode_gemms(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else CUBLAS_GEMMS
+        return g if self.triton_qkv else replace(g, qkv=None)
 
     def num_sample_rows(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_seqs)
@@ -404,8 +418,8 @@ class GpuForward:
 
         H = c.hidden_size
         g = self._gemms(T)
-        o_parts = g.o.split_k if g else 1
-        down_parts = g.down.split_k if g else 1
+        o_parts = g.o.split_k if g.o else 1
+        down_parts = g.down.split_k if g.down else 1
         o_out = self._o_parts[: o_parts * T * H].view(o_parts, T, H) if o_parts > 1 else proj
         mlp_out = self._down_parts[: down_parts * T * H].view(down_parts, T, H) if down_parts > 1 else proj
 
@@ -416,7 +430,7 @@ class GpuForward:
             else:
                 add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
             qkv_parts = bias = None
-            if g and g.qkv:  # split-K partials; RoPE sums them (and adds the bias)
+            if g.qkv:  # split-K partials; RoPE sums them (and adds the bias)
                 qkv_parts = self._qkv_parts[: g.qkv.split_k * qkv.numel()].view(g.qkv.split_k, *qkv.shape)
                 skinny_gemm(x, layer.qkv, qkv_parts, **asdict(g.qkv), pdl=self.pdl)
                 bias = layer.qkv_bias
@@ -435,22 +449,23 @@ class GpuForward:
                 block_n=ac.block_n, num_splits=ac.splits, partials=self._attn_partials,
                 num_warps=ac.num_warps, num_stages=ac.num_stages, pdl=self.pdl,
             )  # fmt: skip
-            if g:
+            if g.o:
                 skinny_gemm(attn, layer.o_proj, o_out, **asdict(g.o), pdl=self.pdl)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
             add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
-            if g:
+            if g.gate_up:
                 skinny_gemm(x, layer.gate_up, gate_up, **asdict(g.gate_up), pdl=self.pdl)
-                if g.silu_in_down:
-                    skinny_gemm(gate_up, layer.down, mlp_out, **asdict(g.down), silu_gate=True, pdl=self.pdl)
-                else:
-                    silu_and_mul(gate_up, act, pdl=self.pdl)
-                    skinny_gemm(act, layer.down, mlp_out, **asdict(g.down), pdl=self.pdl)
             else:
                 torch.mm(x, layer.gate_up.t(), out=gate_up)
-                silu_and_mul(gate_up, act)
-                torch.mm(act, layer.down.t(), out=mlp_out)
+            if g.silu_in_down:
+                skinny_gemm(gate_up, layer.down, mlp_out, **asdict(g.down), silu_gate=True, pdl=self.pdl)
+            else:
+                silu_and_mul(gate_up, act, pdl=self.pdl)
+                if g.down:
+                    skinny_gemm(act, layer.down, mlp_out, **asdict(g.down), pdl=self.pdl)
+                else:
+                    torch.mm(act, layer.down.t(), out=mlp_out)
 
         final = self._final[:R]
         add_rmsnorm(
