@@ -34,7 +34,14 @@ RECORD_BYTES = RingLayout.of(SMALL).request.itemsize
 async def client_for(transport, geometry: RingGeometry = SMALL, **options):
     client = EngineClient.attach(transport, geometry, **options)
     await client.start()
+    # A client counts the engine alive once it has seen the heartbeat advance. start() waits 0.25 s
+    # for that; on a loaded 2-core CI machine the engine's heartbeat thread can miss it (a first
+    # submit then raised EngineDeadError). Every server here is running, so wait for the beat.
+    deadline = time.monotonic() + 10
     try:
+        while not client.engine_alive:
+            assert time.monotonic() < deadline, "no engine heartbeat within 10 s"
+            await asyncio.sleep(0.005)
         yield client
     finally:
         await client.close()
