@@ -326,65 +326,6 @@ def bench_model(
     return rows, breakdown
 
 
-def gemm_sweep(bandwidth: float, rows: int = 8) -> list[dict]:
-    """Decode-sized GEMMs: cuBLAS (torch.mm) vs the split-K Triton kernel, cold L2 (do_bench flushes)."""
-    from blink_appliance.kernels.skinny_gemm import skinny_gemm, sum_partials
-
-    results = []
-    for model in ("llama-3.2-1b", "llama-3.1-8b"):
-        c = preset_config(model)
-        shapes = {
-            "qkv": (c.q_size + 2 * c.kv_size, c.hidden_size),
-            "o": (c.hidden_size, c.q_size),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size),
-            "down": (c.hidden_size, c.intermediate_size),
-        }
-        for what, (N, K) in shapes.items():
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-            x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-            ref = x @ w.t()
-            nbytes = N * K * 2
-            cublas = do_bench(
-                lambda x=x, w=w, out=out: torch.mm(x, w.t(), out=out),
-                warmup=20,
-                rep=100,
-                return_mode="median",
-            )
-            best = (float("inf"), None, None)
-            for split in (1, 2, 4, 8):
-                part = torch.empty(split * rows * N, device="cuda", dtype=torch.float32)
-                for block_n in (32, 64, 128):
-                    for block_k, stages in ((128, 4), (256, 3)):
-                        if N // block_n * split < 64 or (K // split) < block_k:
-                            continue
-                        cfg = dict(split_k=split, block_n=block_n, block_k=block_k, num_stages=stages)
-                        target = out if split == 1 else part
-                        try:
-                            ms = do_bench(
-                                lambda x=x, w=w, target=target, cfg=cfg: skinny_gemm(x, w, target, **cfg),
-                                warmup=10,
-                                rep=60,
-                                return_mode="median",
-                            )  # noqa: B023
-                        except Exception as e:  # a config the compiler refuses (shared memory) is skipped
-                            print(f"skip {what} {cfg}: {type(e).__name__}")
-                            continue
-                        if ms < best[0]:
-                            best = (ms, cfg, part)
-            ms, cfg, part = best
-            if cfg["split_k"] == 1:
-                skinny_gemm(x, w, out, **cfg)
-            else:
-                skinny_gemm(x, w, part, **cfg)
-                sum_partials(part, out, cfg["split_k"])
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            results.append(dict(model=model, gemm=what, N=N, K=K, rows=rows, cublas_ms=cublas, triton_ms=ms, config=cfg,
-                                cublas_tbs=nbytes / cublas / 1e9, triton_tbs=nbytes / ms / 1e9,
-                                floor_ms=nbytes / bandwidth * 1e3, rel_err=err))  # fmt: skip
-    return results
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -393,9 +334,6 @@ def main() -> None:
         "--check",
         default="dummy:llama-3.2-1b",
         help="model sources whose bf16 logits are checked against the fp32 reference ('' for none)",
-    )
-    ap.add_argument(
-        "--gemm-sweep", action="store_true", help="also compare decode GEMMs: cuBLAS vs Triton split-K"
     )
     args = ap.parse_args()
     out = Path(args.out)
@@ -417,7 +355,6 @@ def main() -> None:
     for c in check:
         print(f"check bf16 vs fp32 reference: {c}", flush=True)
 
-    sweep = gemm_sweep(bw) if args.gemm_sweep else []
     all_rows, all_breakdown = [], {}
     for name in filter(None, args.models.split(",")):
         rows, breakdown = bench_model(name, bw, rate, log)
@@ -461,11 +398,6 @@ def main() -> None:
         print(f"| {r['model']} | {r['bucket']} | {r['decodes']}+{r['prefill']} | {r['step_ms']:.3f} ({r['repeat_ms']:.3f}) | "
               f"{r['floor_ms']:.3f} | {r['ratio']:.2f} | {r['floor_with_kv_ms']:.3f} | {r['compute_floor_ms']:.3f} | "
               f"{r['ratio_to_max_floor']:.2f} | {r['tokens_per_s']:.0f} |")  # fmt: skip
-    if sweep:
-        print("\n## decode GEMMs, M=8, cold L2: cuBLAS vs Triton split-K (best config)")
-        for g in sweep:
-            print(f"{g['model']} {g['gemm']} N={g['N']} K={g['K']}: cuBLAS {g['cublas_ms'] * 1e3:.1f} us ({g['cublas_tbs']:.2f} TB/s), "
-                  f"Triton {g['triton_ms'] * 1e3:.1f} us ({g['triton_tbs']:.2f} TB/s) {g['config']}, floor {g['floor_ms'] * 1e3:.1f} us, err {g['rel_err']:.1e}")  # fmt: skip
     for c in check:
         print(f"check {c['model']} bucket {c['bucket']} ({c['tokens']} tok): ours vs fp32 truth {c['rel_err']:.4f}, reference-in-bf16 vs truth "
               f"{c['ref_bf16_rel_err']:.4f}, ours vs reference-in-bf16 {c['vs_ref_bf16']:.4f}, argmax agree {c['argmax_agree']:.2f}")  # fmt: skip

@@ -44,12 +44,12 @@ def _fresh_kv(config, dtype, device):
 
 
 @pytest.mark.parametrize(
-    "preset,triton_gemm_max_tokens",
-    # 64: bucket 32 runs O, gate+up and down through the Triton GEMM (all rows in one tile, split-K
-    # partials summed by the norms); 0: cuBLAS for every projection.
-    [("tiny", 64), ("tiny-qwen2", 64), ("tiny-qwen3", 64), ("tiny", 0)],
+    "preset,triton_gemm_max_tokens,bucket",
+    # (64, 32): O, gate+up and down through the Triton GEMM (all rows in one tile, split-K partials
+    # summed by the norms); (0, 32): cuBLAS for every projection; (128, 72): down alone through Triton.
+    [("tiny", 64, 32), ("tiny-qwen2", 64, 32), ("tiny-qwen3", 64, 32), ("tiny", 0, 32), ("tiny", 128, 72)],
 )
-def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens):
+def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens, bucket):
     ckpt = load_checkpoint(f"dummy:{preset}", seed=3)
     cfg = ckpt.config
     ref_model = build_model(ckpt, torch.float32, DEVICE)
@@ -57,17 +57,20 @@ def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_toke
     kv = _fresh_kv(cfg, torch.float32, DEVICE)
     fwd = GpuForward(
         cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
-        max_tokens=BUCKET, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
+        max_tokens=bucket, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
         triton_gemm_max_tokens=triton_gemm_max_tokens,
     )  # fmt: skip
+    # The bucket really takes the path this case is named for.
+    plan = fwd._gemms(bucket)
+    triton = [name for name in ("qkv", "o", "gate_up", "down") if getattr(plan, name)]
+    assert triton == {64: ["o", "gate_up", "down"], 0: [], 128: ["down"]}[triton_gemm_max_tokens]
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
     for chunks in STEPS:
         batch = seqs.batch(chunks)
         want = ref_model(_to(batch, DEVICE), ref_kv)
         _poison(fwd)
-        assert BUCKET > 16  # not the few-row path (SiLU in the down GEMM's prologue)
-        fwd.load_batch(batch, BUCKET)
-        got = fwd.step(BUCKET)
+        fwd.load_batch(batch, bucket)
+        got = fwd.step(bucket)
         R = batch.sample_rows.shape[0]
         assert torch.isfinite(got).all()
         err = ((got[:R] - want).norm() / want.norm()).item()

@@ -368,14 +368,23 @@ class GpuForward:
             pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.pdl = pdl
         plans = [(t, self._gemms(t)) for t in range(1, T + 1)]
-        qkv_rows = max((g.qkv.split_k * t for t, g in plans if g.qkv), default=0)
-        self._qkv_parts = (
-            buf(qkv_rows * (c.q_size + 2 * c.kv_size), dtype=torch.float32) if qkv_rows else None
-        )
-        o_rows = max((g.o.split_k * t for t, g in plans if g.o and g.o.split_k > 1), default=0)
-        down_rows = max((g.down.split_k * t for t, g in plans if g.down and g.down.split_k > 1), default=0)
-        self._o_parts = buf(o_rows * H, dtype=torch.float32) if o_rows else None
-        self._down_parts = buf(down_rows * H, dtype=torch.float32) if down_rows else None
+
+        def partials(name: str, width: int, min_split: int) -> torch.Tensor | None:
+            """fp32 split-K scratch for one projection, sized for the bucket that needs the most."""
+            rows = max(
+                (
+                    launch.split_k * t
+                    for t, g in plans
+                    if (launch := getattr(g, name)) and launch.split_k >= min_split
+                ),
+                default=0,
+            )
+            return buf(rows * width, dtype=torch.float32) if rows else None
+
+        # RoPE reads QKV as partials whenever QKV is Triton; O and down write partials only when split.
+        self._qkv_parts = partials("qkv", c.q_size + 2 * c.kv_size, 1)
+        self._o_parts = partials("o", H, 2)
+        self._down_parts = partials("down", H, 2)
         split_rows = max(
             (attention_config(t).splits * t for t in range(1, T + 1) if attention_config(t).splits > 1),
             default=0,
