@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.model.gpu_forward import GpuForward, GpuWeights  # noqa: E402
+from blink_appliance.model.gpu_forward import GpuForward, GpuWeights, check_triton_gemm_range  # noqa: E402
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
 from tests.model_helpers import PagedSequences  # noqa: E402
@@ -50,6 +50,8 @@ def _fresh_kv(config, dtype, device):
     [("tiny", 64, 32), ("tiny-qwen2", 64, 32), ("tiny-qwen3", 64, 32), ("tiny", 0, 32), ("tiny", 128, 72)],
 )
 def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens, bucket):
+    if GPU and triton_gemm_max_tokens > 64:
+        pytest.skip("fp32 Triton GEMM shapes above 64 tokens are refused on a GPU (see the range test)")
     ckpt = load_checkpoint(f"dummy:{preset}", seed=3)
     cfg = ckpt.config
     ref_model = build_model(ckpt, torch.float32, DEVICE)
@@ -92,6 +94,16 @@ def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_toke
     err = ((got[:5] - want).norm() / want.norm()).item()
     assert err < 1e-4, f"decode bucket logits differ: relative error {err:.2e}"
     assert (got[5:8] == 0).all()
+
+
+def test_triton_gemm_range_refuses_fp32_shapes_that_do_not_fit_a_gpu():
+    """fp32 above 64 tokens on a GPU is refused with the reason; 2-byte weights and the CPU interpreter
+    (no shared-memory limit) are not."""
+    with pytest.raises(ValueError, match="do not fit shared memory"):
+        check_triton_gemm_range(128, torch.float32, "cuda")
+    check_triton_gemm_range(64, torch.float32, "cuda")
+    check_triton_gemm_range(128, torch.bfloat16, "cuda")
+    check_triton_gemm_range(128, torch.float32, "cpu")
 
 
 def _poison(fwd: GpuForward) -> None:

@@ -102,8 +102,8 @@ def decode_gemms(num_tokens: int) -> DecodeGemms:
     not at 128 (1.835 vs 1.839; 8B 8.35 vs 8.43). Above 64 tokens only down, the chain's one large win,
     is offered: 1B T=128 1.843 -> 1.810 ms in bf16. It is not GpuForward's default (64) because these
     bf16-tuned shapes do not fit shared memory for fp32 weights at 128 rows (down: 288 KB; the loop
-    tests' fp32 model fails to compile there) and nothing lowers the stages for fp32 yet
-    (bench/results/2026-11-23-h100-forward-triton-qkv.md)."""
+    tests' fp32 model fails to compile there; `check_triton_gemm_range` refuses that combination)
+    and nothing lowers the stages for fp32 yet (bench/results/2026-11-23-h100-forward-triton-qkv.md)."""
     if num_tokens <= 16:
         return DecodeGemms(
             qkv=GemmLaunch(split_k=4, block_k=64),
@@ -122,6 +122,22 @@ def decode_gemms(num_tokens: int) -> DecodeGemms:
     if num_tokens <= 128:
         return DecodeGemms(down=down)
     return CUBLAS_GEMMS
+
+
+# The 65-128-token launch shapes are tuned for 2-byte weights. With 4-byte weights on a GPU the down
+# GEMM's pipeline needs 288 KB of shared memory (an H100 block has 227 KB): Triton refuses to compile it
+# (seen on the H100), and no fp32 shapes are built yet.
+FP32_GPU_MAX_TRITON_TOKENS = 64
+
+
+def check_triton_gemm_range(max_tokens: int, dtype: torch.dtype, device_type: str) -> None:
+    """Refuse a Triton GEMM token range whose launch shapes do not fit this dtype on a GPU."""
+    if device_type == "cuda" and dtype.itemsize > 2 and max_tokens > FP32_GPU_MAX_TRITON_TOKENS:
+        raise ValueError(
+            f"triton_gemm_max_tokens={max_tokens} with {dtype} weights on a GPU: the Triton GEMM shapes "
+            f"above {FP32_GPU_MAX_TRITON_TOKENS} tokens are built for 2-byte weights and do not fit "
+            f"shared memory in {dtype}; use triton_gemm_max_tokens <= {FP32_GPU_MAX_TRITON_TOKENS}"
+        )
 
 
 def in_major(matrix: torch.Tensor) -> torch.Tensor:
@@ -331,6 +347,7 @@ class GpuForward:
             )
         if kv.k.shape[0] != c.num_layers or kv.k.shape[3:] != (c.num_kv_heads, c.head_dim):
             raise ValueError(f"KV cache shape {tuple(kv.k.shape)} does not fit the model")
+        check_triton_gemm_range(triton_gemm_max_tokens, self.dtype, self.device.type)
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
