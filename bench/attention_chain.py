@@ -30,8 +30,10 @@ from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
 
 def configs(tokens: int) -> list[tuple[int, int, int, int]]:
     """(splits, block_n, warps, stages) to try for a decode bucket of `tokens` sequences."""
-    if tokens <= 32:
+    if tokens <= 8:
         return [(sp, bn, w, st) for sp in (8, 16) for bn in (16, 32) for w in (1, 2) for st in (2, 3)]
+    if tokens <= 32:
+        return [(sp, bn, w, 2) for sp in (2, 4, 8) for bn in (16, 32) for w in (1, 2)]
     grid = [(1, bn, w, st) for bn in (16, 32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
     return grid + [(2, bn, w, 2) for bn in (16, 32) for w in (1, 2)]
 

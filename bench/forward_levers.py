@@ -21,6 +21,18 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
   kernel before drains, and waits for it with griddepcontrol.wait).
 - tunable: TunableOp picks each GEMM's algorithm by timing cuBLAS/cuBLASLt candidates (cold-cache
   rotating buffer) during the eager warm-up, before capture.
+- prod: the forward as it ships (skinny64+nn+lmfp32+pdl+tqkv).
+- o128 (with skinny128): buckets of 65-128 tokens take O through the Triton GEMM too (17-64 shape).
+- gu128 (with skinny128): there gate+up runs through the Triton GEMM and writes silu(gate)*up itself
+  (two weight tiles a program; no SiLU kernel); gus6: with 6 pipeline stages instead of 4.
+- qkv128: QKV through the Triton GEMM at 17-128 tokens too (split 2, partials summed by RoPE).
+- bfp: QKV, O and down keep their split-K partials in bf16 at 17-128 tokens (half the bytes).
+- down8 (with skinny128): down at 65-128 tokens in 128-row weight tiles split 8 ways.
+- qkv4, qkvbk128, gubk128, gu4w, attn16k: launch-shape variants at 65-128 tokens (QKV split 4;
+  QKV 128-deep K tiles; gate+up 128-deep K tiles; gate+up with 4 warps; attention 16-key tiles,
+  4 warps, 3 stages).
+- lmt: the LM head through the Triton GEMM (fp32 logits written by it) up to 128 tokens.
+- attn1w: attention at 9-32 tokens with 1 warp a program (bench/attention_chain.py: 187 vs 213 us).
 "base" is none of them. Each variant's logits are compared with the first variant's on the same step
 (they must agree to bf16 rounding).
 """
@@ -49,11 +61,67 @@ from bench_forward import (  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from blink_appliance.engine.cuda_graphs import ForwardGraphs  # noqa: E402
-from blink_appliance.model.gpu_forward import GpuForward, GpuWeights  # noqa: E402
+from blink_appliance.model.gpu_forward import (  # noqa: E402
+    AttentionConfig,
+    DecodeGemms,
+    GemmLaunch,
+    GpuForward,
+    GpuWeights,
+    attention_config,
+    decode_gemms,
+)
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
 
 SKINNY = {"skinny": 16, "skinny64": 64, "skinny128": 128}  # lever -> triton_gemm_max_tokens
+PROD = {"skinny64", "nn", "lmfp32", "pdl", "tqkv"}
+PLAN_LEVERS = {"o128", "gu128", "gus6", "qkv128", "attn1w", "bfp", "down8", "lmt"}
+PLAN_LEVERS |= {"qkv4", "qkvbk128", "gubk128", "gu4w", "attn16k"}  # 65-128 launch-shape variants
+
+
+def plans(levers: set[str]):
+    """The per-bucket GEMM and attention launch plans of a variant: `decode_gemms` and
+    `attention_config` with the plan levers applied (the 65-128 ones need skinny128's range)."""
+    mid = GemmLaunch(split_k=4, block_k=64, num_warps=8)  # O's 17-64 shape
+    gu_stages = 6 if "gus6" in levers else 4
+
+    def gemm_plan(t: int) -> DecodeGemms:
+        g = decode_gemms(t)
+        if 64 < t <= 128:
+            if "o128" in levers:
+                g = replace(g, o=mid)
+            if "gu128" in levers:
+                g = replace(
+                    g, gate_up=GemmLaunch(block_k=64, num_warps=8, num_stages=gu_stages), silu_in_gate_up=True
+                )
+        if "down8" in levers and 64 < t <= 128:
+            g = replace(g, down=GemmLaunch(split_k=8, block_n=128, block_k=128, num_warps=8, num_stages=3))
+        if "lmt" in levers and t <= 128:
+            lm = GemmLaunch(block_n=128, block_k=64) if t <= 16 else GemmLaunch(block_k=64, num_warps=8)
+            g = replace(g, lm_head=lm)
+        if "qkv128" in levers and 16 < t <= 128:
+            g = replace(g, qkv=GemmLaunch(split_k=2, block_k=64, num_warps=8))
+        if 64 < t <= 128:  # launch-shape variants of the 65-128 plan
+            if "qkv4" in levers and g.qkv:
+                g = replace(g, qkv=replace(g.qkv, split_k=4))
+            if "qkvbk128" in levers and g.qkv:
+                g = replace(g, qkv=replace(g.qkv, block_k=128, num_stages=3))
+            if "gubk128" in levers and g.gate_up:
+                g = replace(g, gate_up=replace(g.gate_up, block_k=128, num_stages=3))
+            if "gu4w" in levers and g.gate_up:
+                g = replace(g, gate_up=replace(g.gate_up, num_warps=4))
+        if "bfp" in levers and 16 < t <= 128:  # every split projection keeps bf16 partials
+            split = [n for n in ("qkv", "o", "down") if getattr(g, n) and getattr(g, n).split_k > 1]
+            g = replace(g, **{n: replace(getattr(g, n), fp32_partials=False) for n in split})
+        return g
+
+    def attention_plan(t: int) -> AttentionConfig:
+        a = attention_config(t)
+        if "attn16k" in levers and 32 < t <= 128:
+            return replace(a, block_n=16, num_warps=4, num_stages=3)
+        return replace(a, num_warps=1) if "attn1w" in levers and 8 < t <= 32 else a
+
+    return gemm_plan, attention_plan
 
 
 def row_major(weights: GpuWeights) -> GpuWeights:
@@ -72,7 +140,15 @@ def row_major(weights: GpuWeights) -> GpuWeights:
     return GpuWeights(embed=weights.embed, layers=layers, norm=weights.norm, lm_head=lm)
 
 
-def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], bw: float, log: list[str]):
+def run_variant(
+    name: str,
+    cfg,
+    weights: GpuWeights,
+    buckets: tuple[int, ...],
+    bw: float,
+    log: list[str],
+    profile: bool = True,
+):
     max_blocks = (DECODE_CONTEXT + max(buckets)) // BLOCK_SIZE + 2
     num_blocks = MAX_SEQS * (DECODE_CONTEXT // BLOCK_SIZE + 1) + max(buckets) // BLOCK_SIZE + 8
     kv = PagedKVCache.allocate(
@@ -82,9 +158,13 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
     kv.k.normal_(0, 1, generator=g)
     kv.v.normal_(0, 1, generator=g)
     levers = set(name.split("+")) - {"base"}
-    unknown = levers - {"skinny", "skinny64", "skinny128", "lmfp32", "nn", "cublaslt", "tunable", "pdl", "tqkv"}
+    if "prod" in levers:
+        levers = (levers - {"prod"}) | PROD
+    known = set(SKINNY) | {"lmfp32", "nn", "cublaslt", "tunable", "pdl", "tqkv"} | PLAN_LEVERS
+    unknown = levers - known
     if unknown:
         raise ValueError(f"unknown levers {sorted(unknown)}")
+    gemm_plan, attention_plan = plans(levers)
     floor_weights = weights
     if "nn" not in levers:
         weights = row_major(weights)
@@ -92,7 +172,8 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
         cfg, weights, kv, max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks,
         lm_head_fp32_out="lmfp32" in levers,
         triton_gemm_max_tokens=max([0] + [n for lever, n in SKINNY.items() if lever in levers]),
-        pdl="pdl" in levers, triton_qkv="tqkv" in levers,
+        pdl="pdl" in levers, triton_qkv=bool(levers & {"tqkv", "qkv128"}),
+        gemm_plan=gemm_plan, attention_plan=attention_plan,
     )  # fmt: skip
     if "cublaslt" in levers:
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -121,7 +202,7 @@ def run_variant(name: str, cfg, weights: GpuWeights, buckets: tuple[int, ...], b
         ms2 = do_bench(graphs.graphs[T].replay, warmup=10, rep=200, return_mode="median")
         floor = floor_weights.bytes_read_per_step(T) / bw * 1e3
         rows.append(dict(variant=name, bucket=T, step_ms=ms, repeat_ms=ms2, floor_ms=floor, ratio=ms / floor))
-        if T in (8, 128):
+        if profile and T in (8, 128):
             groups, top = profile_step(fwd, T)
             profiles[T] = dict(groups=groups, top=top)
     if "cublaslt" in levers:
@@ -139,6 +220,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--buckets", default="8,32,128")
     ap.add_argument("--variants", default="base,skinny,skinny+nn,skinny+lmfp32,skinny+nn+lmfp32")
+    ap.add_argument("--profile", default="", help="comma-separated variants to profile (default: all)")
     args = ap.parse_args()
     buckets = tuple(int(b) for b in args.buckets.split(","))
     out = Path(args.out)
@@ -152,9 +234,11 @@ def main() -> None:
     weights = GpuWeights.random(cfg, torch.bfloat16, "cuda", seed=0)
     log: list[str] = []
     all_rows, base_logits, errs, profiles = [], None, {}, {}
+    to_profile = set(args.profile.split(",")) if args.profile else None
     for name in args.variants.split(","):
         try:
-            rows, logits, prof = run_variant(name, cfg, weights, buckets, bw, log)
+            profile = to_profile is None or name in to_profile
+            rows, logits, prof = run_variant(name, cfg, weights, buckets, bw, log, profile)
         except Exception as e:  # a lever this torch build lacks is reported, not fatal
             log.append(f"{name}: FAILED {type(e).__name__}: {e}")
             print(log[-1], flush=True)

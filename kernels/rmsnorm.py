@@ -5,7 +5,7 @@ residual's dtype) and that sum is written back into the residual stream; with `r
 stream is only started (residual = x, for the first layer). The norm is taken in fp32, cast to the
 output dtype, then scaled by the weight: the order of the reference RMSNorm. The residual may be fp32
 under bf16 activations (a more accurate stream at the cost of a few KB per token of traffic).
-With `x_parts > 1`, x is the fp32 split-K partials of the GEMM before (`[x_parts, rows, H]`) and the
+With `x_parts > 1`, x is the split-K partials of the GEMM before (`[x_parts, rows, H]`) and the
 kernel sums them first: the split-K reduction costs no kernel of its own. With `rows`, output row r reads input row rows[r] (the final norm runs only on
 the rows that sample); a negative index yields a zero row.
 """
@@ -54,7 +54,7 @@ def _add_rmsnorm_kernel(
     out_dtype = out_ptr.dtype.element_ty
     xf = tl.load(x_ptr + src * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     for p in tl.static_range(1, X_PARTS):
-        xf += tl.load(x_ptr + p * x_part_stride + src * x_stride + cols, mask=mask, other=0.0)
+        xf += tl.load(x_ptr + p * x_part_stride + src * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_dtype = residual_ptr.dtype.element_ty
         if RESIDUAL_IN:
@@ -88,12 +88,10 @@ def add_rmsnorm(
     x, residual: [N, H]; out: [R, H] (R = len(rows), or N). With a residual and write_residual, the
     sum is stored into residual[src] (the residual stream advances in place). residual_in=False
     starts the stream: residual[src] = x[src], nothing read from it. x_parts > 1: x is
-    [x_parts, N, H] fp32 partials (contiguous) summed on load.
+    [x_parts, N, H] partials (contiguous; fp32, or the activations' dtype) summed in fp32 on load.
     """
-    if x_parts > 1 and (
-        x.dim() != 3 or x.shape[0] != x_parts or x.dtype != torch.float32 or not x.is_contiguous()
-    ):
-        raise ValueError("add_rmsnorm: x_parts > 1 needs contiguous fp32 partials [x_parts, N, H]")
+    if x_parts > 1 and (x.dim() != 3 or x.shape[0] != x_parts or not x.is_contiguous()):
+        raise ValueError("add_rmsnorm: x_parts > 1 needs contiguous partials [x_parts, N, H]")
     if not residual_in and (residual is None or not write_residual):
         raise ValueError("add_rmsnorm: residual_in=False needs a residual to write")
     hidden = x.shape[-1]

@@ -42,12 +42,12 @@ def _head_rms(x1, x2, w_ptr, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _qkv_tile(row, part_row, bias_ptr, off, mask, part_stride, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A tile of this token's QKV row: from qkv, or the sum of the PARTS fp32 partials (+ bias)."""
+    """A tile of this token's QKV row: from qkv, or the sum in fp32 of the PARTS partials (+ bias)."""
     if PARTS == 0:
         return tl.load(row + off, mask=mask, other=0.0)
-    acc = tl.load(part_row + off, mask=mask, other=0.0)
+    acc = tl.load(part_row + off, mask=mask, other=0.0).to(tl.float32)
     for p in tl.static_range(1, PARTS):
-        acc += tl.load(part_row + p * part_stride + off, mask=mask, other=0.0)
+        acc += tl.load(part_row + p * part_stride + off, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + off, mask=mask, other=0.0).to(tl.float32)
     return acc.to(row.dtype.element_ty)
@@ -151,7 +151,7 @@ def rope_and_cache_write(
     qkv_bias: torch.Tensor | None = None,
 ) -> None:
     """qkv: [T, (num_heads + 2*num_kv_heads) * head_dim], q rotated in place.
-    qkv_parts: the QKV GEMM's split-K partials instead, fp32 [P, T, (num_heads + 2*num_kv_heads) *
+    qkv_parts: the QKV GEMM's split-K partials instead, fp32 or qkv's dtype [P, T, (num_heads + 2*num_kv_heads) *
     head_dim] contiguous, summed (+ qkv_bias) here; the rotated q is written to qkv's q columns.
 
     k_cache/v_cache: one layer, [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
@@ -168,12 +168,13 @@ def rope_and_cache_write(
         raise ValueError("rope_and_cache_write: q_norm and k_norm come together")
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv_parts is not None and (
-        qkv_parts.dtype != torch.float32
+        qkv_parts.dtype not in (torch.float32, qkv.dtype)
         or qkv_parts.shape[1:] != (tokens, width)
         or not qkv_parts.is_contiguous()
     ):
         raise ValueError(
-            f"rope_and_cache_write: qkv_parts {tuple(qkv_parts.shape)} must be fp32 [P, {tokens}, {width}]"
+            f"rope_and_cache_write: qkv_parts {tuple(qkv_parts.shape)} {qkv_parts.dtype} must be fp32 "
+            f"(or qkv's dtype) [P, {tokens}, {width}]"
         )
     if qkv_bias is not None and qkv_parts is None:
         raise ValueError("rope_and_cache_write: qkv_bias goes with qkv_parts (a one-piece GEMM adds its own)")

@@ -47,6 +47,7 @@ def _skinny_gemm_kernel(
     SILU_GATE: tl.constexpr,
     EVEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GATED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
@@ -57,7 +58,9 @@ def _skinny_gemm_kernel(
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride_n
+    up_rows = w_rows + N * w_stride_n  # GATED: the up half of the fused gate+up weight
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -67,10 +70,15 @@ def _skinny_gemm_kernel(
         if EVEN:  # N and the K slices are whole tiles: unmasked weight loads
             x_mask = t[None, :] < M
             w = tl.load(w_rows + k[None, :] * w_stride_k)
+            if GATED:
+                w_up = tl.load(up_rows + k[None, :] * w_stride_k)
         else:
             k_in = k < k_hi
             x_mask = (t[None, :] < M) & k_in[:, None]
-            w = tl.load(w_rows + k[None, :] * w_stride_k, mask=(n[:, None] < N) & k_in[None, :], other=0.0)
+            w_mask = (n[:, None] < N) & k_in[None, :]
+            w = tl.load(w_rows + k[None, :] * w_stride_k, mask=w_mask, other=0.0)
+            if GATED:
+                w_up = tl.load(up_rows + k[None, :] * w_stride_k, mask=w_mask, other=0.0)
         x = tl.load(x_off, mask=x_mask, other=0.0)
         if SILU_GATE:
             up = tl.load(x_off + K, mask=x_mask, other=0.0)
@@ -78,12 +86,19 @@ def _skinny_gemm_kernel(
             act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
             x = (act * up.to(tl.float32)).to(up.dtype)
         acc = tl.dot(w, x, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            acc_up = tl.dot(w_up, x, acc_up, input_precision=DOT_PRECISION)
     mask = (t[None, :] < M) & (n[:, None] < N)
+    if GATED:  # out = silu(gate) * up, rounded where silu_and_mul rounds (gate, up, silu(gate))
+        out_ty = out_ptr.dtype.element_ty
+        g = acc.to(out_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        acc = act * acc_up.to(out_ty).to(tl.float32)
     if SPLIT_K == 1:
         tl.store(out_ptr + t[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = out_ptr + (split * M + t[None, :]).to(tl.int64) * N + n[:, None]
-        tl.store(part, acc, mask=mask)
+        tl.store(part, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -97,6 +112,20 @@ def _sum_partials_kernel(part_ptr, out_ptr, M, N, out_stride, SPLIT_K: tl.conste
     tl.store(out_ptr + m * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Shared memory one block may hold on sm_90 (227 KB): the pipeline's stages must fit in it.
+SMEM_LIMIT = 232448
+
+
+def pipeline_stages(num_stages: int, per_stage_bytes: int) -> int:
+    """The deepest pipeline up to num_stages whose buffers fit shared memory. Launch shapes are tuned
+    for 2-byte weights; 4-byte weights at many rows need fewer stages (Triton refuses to compile an
+    over-full pipeline: fp32 down at 128 rows asked for 288 KB)."""
+    fit = SMEM_LIMIT // per_stage_bytes
+    if fit < 1:
+        raise ValueError(f"skinny_gemm: one pipeline stage needs {per_stage_bytes} B of shared memory")
+    return max(1, min(num_stages, fit))
+
+
 def skinny_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -107,35 +136,45 @@ def skinny_gemm(
     num_stages: int = 4,
     num_warps: int = 4,
     silu_gate: bool = False,
+    gated: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] (M <= 256, padded to a power of two >= 16 in the MMA), or [M, 2K] gate|up with
     silu_gate; w: [N, K] (any strides: row-major, or the transposed view of a [K, N] matrix); out:
-    [M, N] when split_k == 1, else fp32 partials holding at least split_k * M * N elements (laid out
-    [split_k, M, N]). pdl: launch as a programmatic dependent (sm_90+; waits for the kernel before
-    prior to reading x)."""
+    [M, N] when split_k == 1, else partials holding at least split_k * M * N elements (laid out
+    [split_k, M, N]; fp32, or x's dtype for half the bytes at one more rounding per slice).
+    gated: w is the fused [2N, K] gate+up weight and out[M, N] = silu(x @ gate^T) * (x @ up^T), the
+    MLP activation written by the GEMM itself (split_k 1).
+    pdl: launch as a programmatic dependent (sm_90+; waits for the kernel before prior to reading x)."""
     M, K = x.shape
     if silu_gate:
         K //= 2
-    N = w.shape[0]
+    N = w.shape[0] // 2 if gated else w.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"skinny_gemm: at most {MAX_ROWS} rows, got {M}")
     if w.shape[1] != K or x.stride(1) != 1:
         raise ValueError(
             f"skinny_gemm: x {tuple(x.shape)} must be row-major [M,K] and w {tuple(w.shape)} [N,K]"
         )
-    if split_k > 1 and (out.dtype != torch.float32 or out.numel() < split_k * M * N):
-        raise ValueError("skinny_gemm: split_k > 1 needs fp32 partials of split_k * M * N elements")
+    if gated and (split_k != 1 or silu_gate or w.shape[0] % 2):
+        raise ValueError("skinny_gemm: gated needs an even [2N, K] gate+up weight, split_k 1, no silu_gate")
+    if split_k > 1 and (out.dtype not in (torch.float32, x.dtype) or out.numel() < split_k * M * N):
+        raise ValueError(
+            "skinny_gemm: split_k > 1 needs fp32 (or x's dtype) partials of split_k * M * N elements"
+        )
     if split_k == 1 and out.stride(-1) != 1:
         raise ValueError("skinny_gemm: out must be row-major")
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     even = N % block_n == 0 and K % k_per_split == 0
+    block_t = max(16, triton.next_power_of_2(M))
+    w_tiles = 2 if gated else 1
+    stage_bytes = (w_tiles * block_n * block_k + block_k * block_t) * x.element_size()
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), split_k)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), out.stride(0) if split_k == 1 else N,
-        k_per_split, BLOCK_T=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        k_per_split, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_GATE=silu_gate, EVEN=even,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated, USE_PDL=pdl,
+        num_stages=pipeline_stages(num_stages, stage_bytes), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

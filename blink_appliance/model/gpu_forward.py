@@ -18,6 +18,7 @@ It computes the same function as the reference model in llama.py (the tests comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -67,6 +68,14 @@ class GemmLaunch:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    # Split-K partials in fp32, or (False) in the weights' dtype: half the bytes, one more rounding.
+    fp32_partials: bool = True
+
+    def kernel_args(self) -> dict:
+        """The launch shape as skinny_gemm's keyword arguments."""
+        args = asdict(self)
+        del args["fp32_partials"]
+        return args
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,17 @@ class DecodeGemms:
     o: GemmLaunch | None = None
     gate_up: GemmLaunch | None = None
     down: GemmLaunch | None = None
+    lm_head: GemmLaunch | None = None  # writes the fp32 logits itself (no split)
     silu_in_down: bool = False  # SiLU*up in the down GEMM's prologue instead of its own kernel
+    silu_in_gate_up: bool = False  # the gate+up GEMM writes silu(gate)*up itself (its epilogue)
 
     def __post_init__(self) -> None:
         if self.silu_in_down and self.down is None:
             raise ValueError("silu_in_down needs the Triton down GEMM")
+        if self.lm_head and self.lm_head.split_k > 1:
+            raise ValueError("the LM head GEMM writes the logits unsplit")
+        if self.silu_in_gate_up and (self.gate_up is None or self.silu_in_down or self.gate_up.split_k > 1):
+            raise ValueError("silu_in_gate_up needs the Triton gate+up GEMM unsplit, and not silu_in_down")
 
 
 CUBLAS_GEMMS = DecodeGemms()
@@ -334,6 +349,8 @@ class GpuForward:
         lm_head_fp32_out: bool | None = None,
         pdl: bool | None = None,
         triton_qkv: bool = True,
+        gemm_plan: Callable[[int], DecodeGemms] = decode_gemms,
+        attention_plan: Callable[[int], AttentionConfig] = attention_config,
     ) -> None:
         c = config
         self.config = c
@@ -377,6 +394,9 @@ class GpuForward:
         # triton_qkv=False keeps QKV on cuBLAS even where `decode_gemms` gives it a launch.
         self.triton_gemm_max_tokens = triton_gemm_max_tokens
         self.triton_qkv = triton_qkv
+        # Per-bucket launch shapes; benchmarks pass their own to compare variants of the same step.
+        self.gemm_plan = gemm_plan
+        self.attention_plan = attention_plan
         # Programmatic dependent launch (Hopper+): every Triton kernel of the step launches while the
         # kernel before it drains, does what needs only the step's inputs and weights, then waits for
         # it (griddepcontrol.wait) before reading its outputs and before writing anything.
@@ -403,7 +423,7 @@ class GpuForward:
         self._o_parts = partials("o", H, 2)
         self._down_parts = partials("down", H, 2)
         split_rows = max(
-            (attention_config(t).splits * t for t in range(1, T + 1) if attention_config(t).splits > 1),
+            (attention_plan(t).splits * t for t in range(1, T + 1) if attention_plan(t).splits > 1),
             default=0,
         )
         self._attn_partials = (
@@ -420,8 +440,16 @@ class GpuForward:
         self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
 
     def _gemms(self, num_tokens: int) -> DecodeGemms:
-        g = decode_gemms(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else CUBLAS_GEMMS
+        g = self.gemm_plan(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else CUBLAS_GEMMS
         return g if self.triton_qkv else replace(g, qkv=None)
+
+    def _split_out(self, scratch: torch.Tensor, launch: GemmLaunch, T: int, width: int) -> torch.Tensor:
+        """A split GEMM's partials [split_k, T, width] in the fp32 scratch (viewed in the weights' dtype
+        when the launch keeps them there)."""
+        if not launch.fp32_partials:
+            scratch = scratch.view(self.dtype)
+        n = launch.split_k * T * width
+        return scratch[:n].view(launch.split_k, T, width)
 
     def num_sample_rows(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_seqs)
@@ -440,14 +468,14 @@ class GpuForward:
         h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
         proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
-        ac = attention_config(T)
+        ac = self.attention_plan(T)
 
         H = c.hidden_size
         g = self._gemms(T)
         o_parts = g.o.split_k if g.o else 1
         down_parts = g.down.split_k if g.down else 1
-        o_out = self._o_parts[: o_parts * T * H].view(o_parts, T, H) if o_parts > 1 else proj
-        mlp_out = self._down_parts[: down_parts * T * H].view(down_parts, T, H) if down_parts > 1 else proj
+        o_out = self._split_out(self._o_parts, g.o, T, H) if o_parts > 1 else proj
+        mlp_out = self._split_out(self._down_parts, g.down, T, H) if down_parts > 1 else proj
 
         torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
@@ -457,8 +485,8 @@ class GpuForward:
                 add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
             qkv_parts = bias = None
             if g.qkv:  # split-K partials; RoPE sums them (and adds the bias)
-                qkv_parts = self._qkv_parts[: g.qkv.split_k * qkv.numel()].view(g.qkv.split_k, *qkv.shape)
-                skinny_gemm(x, layer.qkv, qkv_parts, **asdict(g.qkv), pdl=self.pdl)
+                qkv_parts = self._split_out(self._qkv_parts, g.qkv, T, qkv.shape[1])
+                skinny_gemm(x, layer.qkv, qkv_parts, **g.qkv.kernel_args(), pdl=self.pdl)
                 bias = layer.qkv_bias
             elif layer.qkv_bias is not None:
                 torch.addmm(layer.qkv_bias, x, layer.qkv.t(), out=qkv)
@@ -476,20 +504,25 @@ class GpuForward:
                 num_warps=ac.num_warps, num_stages=ac.num_stages, pdl=self.pdl,
             )  # fmt: skip
             if g.o:
-                skinny_gemm(attn, layer.o_proj, o_out, **asdict(g.o), pdl=self.pdl)
+                skinny_gemm(attn, layer.o_proj, o_out, **g.o.kernel_args(), pdl=self.pdl)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
             add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
-            if g.gate_up:
-                skinny_gemm(x, layer.gate_up, gate_up, **asdict(g.gate_up), pdl=self.pdl)
+            if g.silu_in_gate_up:
+                skinny_gemm(x, layer.gate_up, act, **g.gate_up.kernel_args(), gated=True, pdl=self.pdl)
+            elif g.gate_up:
+                skinny_gemm(x, layer.gate_up, gate_up, **g.gate_up.kernel_args(), pdl=self.pdl)
             else:
                 torch.mm(x, layer.gate_up.t(), out=gate_up)
             if g.silu_in_down:
-                skinny_gemm(gate_up, layer.down, mlp_out, **asdict(g.down), silu_gate=True, pdl=self.pdl)
+                skinny_gemm(
+                    gate_up, layer.down, mlp_out, **g.down.kernel_args(), silu_gate=True, pdl=self.pdl
+                )
             else:
-                silu_and_mul(gate_up, act, pdl=self.pdl)
+                if not g.silu_in_gate_up:
+                    silu_and_mul(gate_up, act, pdl=self.pdl)
                 if g.down:
-                    skinny_gemm(act, layer.down, mlp_out, **asdict(g.down), pdl=self.pdl)
+                    skinny_gemm(act, layer.down, mlp_out, **g.down.kernel_args(), pdl=self.pdl)
                 else:
                     torch.mm(act, layer.down.t(), out=mlp_out)
 
@@ -503,8 +536,11 @@ class GpuForward:
             write_residual=False,
             rows=inp.sample_rows[:R],
             x_parts=down_parts,
+            pdl=self.pdl,
         )
-        if self.lm_head_fp32_out:
+        if g.lm_head:
+            skinny_gemm(final, w.lm_head, self.logits[:R], **g.lm_head.kernel_args(), pdl=self.pdl)
+        elif self.lm_head_fp32_out:
             torch.mm(final, w.lm_head.t(), out_dtype=torch.float32, out=self.logits[:R])
         elif self._logits_lp is None:
             torch.mm(final, w.lm_head.t(), out=self.logits[:R])
