@@ -10,9 +10,9 @@ do_bench, L2 flushed), on the same decode workload:
 A variant is a "+"-joined set of levers on top of the forward with every option off (row-major
 weights, cuBLAS everywhere, bf16 logits plus a cast):
 - skinny: decode buckets (<= 16 tokens) run O, gate+up and down through the swap-AB Triton GEMM.
-- skinny64, skinny128: Triton GEMMs up to 64 or 128 tokens, as `decode_gemms` gives them (from 17
-  tokens on all rows in one 8-warp tile and the SiLU in its own kernel; above 64 only down).
-- tqkv: with skinny, QKV through the Triton GEMM too (<= 16 tokens; RoPE sums its split-K partials).
+- skinny64, skinny128: Triton GEMMs up to 64 or 128 tokens, as `decode_gemms` gives them.
+- tqkv: with skinny, QKV through the Triton GEMM too where `decode_gemms` gives it a launch (RoPE sums
+  its split-K partials).
 - lmfp32: the LM head writes fp32 logits itself (mm out_dtype) instead of bf16 plus a cast kernel.
 - nn: projection weights stored [in, out] contiguous (`in_major`, now the default), so cuBLAS runs
   NN, not TN.
@@ -21,18 +21,13 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
   kernel before drains, and waits for it with griddepcontrol.wait).
 - tunable: TunableOp picks each GEMM's algorithm by timing cuBLAS/cuBLASLt candidates (cold-cache
   rotating buffer) during the eager warm-up, before capture.
-- prod: the forward as it ships (skinny64+nn+lmfp32+pdl+tqkv).
-- o128 (with skinny128): buckets of 65-128 tokens take O through the Triton GEMM too (17-64 shape).
-- gu128 (with skinny128): there gate+up runs through the Triton GEMM and writes silu(gate)*up itself
-  (two weight tiles a program; no SiLU kernel); gus6: with 6 pipeline stages instead of 4.
-- qkv128: QKV through the Triton GEMM at 17-128 tokens too (split 2, partials summed by RoPE).
-- bfp: QKV, O and down keep their split-K partials in bf16 at 17-128 tokens (half the bytes).
-- down8 (with skinny128): down at 65-128 tokens in 128-row weight tiles split 8 ways.
-- qkv4, qkvbk128, gubk128, gu4w, attn16k: launch-shape variants at 65-128 tokens (QKV split 4;
-  QKV 128-deep K tiles; gate+up 128-deep K tiles; gate+up with 4 warps; attention 16-key tiles,
-  4 warps, 3 stages).
-- lmt: the LM head through the Triton GEMM (fp32 logits written by it) up to 128 tokens.
-- attn1w: attention at 9-32 tokens with 1 warp a program (bench/attention_chain.py: 187 vs 213 us).
+- prod: the forward as it ships (skinny128+nn+lmfp32+pdl+tqkv).
+- o128: buckets of 65-128 tokens take O through the Triton GEMM too (the 17-64 shape).
+- fp32p: split-K partials in fp32 instead of the weights' dtype.
+- siluk: at 65-128 tokens SiLU*up in its own kernel instead of the gate+up GEMM's epilogue.
+(The levers this file had at commit 98cc562, gu128 / qkv128 / bfp / attn1w / down8 / lmt / qkv4 /
+gubk128 / gu4w / attn16k, built today's `decode_gemms` and `attention_config` from the older ones;
+bench/results/2026-11-23-h100-forward-gated-gemm.md.)
 "base" is none of them. Each variant's logits are compared with the first variant's on the same step
 (they must agree to bf16 rounding).
 """
@@ -62,9 +57,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from blink_appliance.engine.cuda_graphs import ForwardGraphs  # noqa: E402
 from blink_appliance.model.gpu_forward import (  # noqa: E402
-    AttentionConfig,
     DecodeGemms,
-    GemmLaunch,
     GpuForward,
     GpuWeights,
     attention_config,
@@ -74,54 +67,26 @@ from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
 
 SKINNY = {"skinny": 16, "skinny64": 64, "skinny128": 128}  # lever -> triton_gemm_max_tokens
-PROD = {"skinny64", "nn", "lmfp32", "pdl", "tqkv"}
-PLAN_LEVERS = {"o128", "gu128", "gus6", "qkv128", "attn1w", "bfp", "down8", "lmt"}
-PLAN_LEVERS |= {"qkv4", "qkvbk128", "gubk128", "gu4w", "attn16k"}  # 65-128 launch-shape variants
+PROD = {"skinny128", "nn", "lmfp32", "pdl", "tqkv"}
+PLAN_LEVERS = {"o128", "fp32p", "siluk"}
 
 
 def plans(levers: set[str]):
     """The per-bucket GEMM and attention launch plans of a variant: `decode_gemms` and
-    `attention_config` with the plan levers applied (the 65-128 ones need skinny128's range)."""
-    mid = GemmLaunch(split_k=4, block_k=64, num_warps=8)  # O's 17-64 shape
-    gu_stages = 6 if "gus6" in levers else 4
+    `attention_config`, with the plan levers applied."""
 
     def gemm_plan(t: int) -> DecodeGemms:
         g = decode_gemms(t)
-        if 64 < t <= 128:
-            if "o128" in levers:
-                g = replace(g, o=mid)
-            if "gu128" in levers:
-                g = replace(
-                    g, gate_up=GemmLaunch(block_k=64, num_warps=8, num_stages=gu_stages), silu_in_gate_up=True
-                )
-        if "down8" in levers and 64 < t <= 128:
-            g = replace(g, down=GemmLaunch(split_k=8, block_n=128, block_k=128, num_warps=8, num_stages=3))
-        if "lmt" in levers and t <= 128:
-            lm = GemmLaunch(block_n=128, block_k=64) if t <= 16 else GemmLaunch(block_k=64, num_warps=8)
-            g = replace(g, lm_head=lm)
-        if "qkv128" in levers and 16 < t <= 128:
-            g = replace(g, qkv=GemmLaunch(split_k=2, block_k=64, num_warps=8))
-        if 64 < t <= 128:  # launch-shape variants of the 65-128 plan
-            if "qkv4" in levers and g.qkv:
-                g = replace(g, qkv=replace(g.qkv, split_k=4))
-            if "qkvbk128" in levers and g.qkv:
-                g = replace(g, qkv=replace(g.qkv, block_k=128, num_stages=3))
-            if "gubk128" in levers and g.gate_up:
-                g = replace(g, gate_up=replace(g.gate_up, block_k=128, num_stages=3))
-            if "gu4w" in levers and g.gate_up:
-                g = replace(g, gate_up=replace(g.gate_up, num_warps=4))
-        if "bfp" in levers and 16 < t <= 128:  # every split projection keeps bf16 partials
+        if "o128" in levers and 64 < t <= 128:
+            g = replace(g, o=decode_gemms(64).o)
+        if "fp32p" in levers:
             split = [n for n in ("qkv", "o", "down") if getattr(g, n) and getattr(g, n).split_k > 1]
-            g = replace(g, **{n: replace(getattr(g, n), fp32_partials=False) for n in split})
+            g = replace(g, **{n: replace(getattr(g, n), fp32_partials=True) for n in split})
+        if "siluk" in levers and g.silu_in_gate_up:
+            g = replace(g, silu_in_gate_up=False)
         return g
 
-    def attention_plan(t: int) -> AttentionConfig:
-        a = attention_config(t)
-        if "attn16k" in levers and 32 < t <= 128:
-            return replace(a, block_n=16, num_warps=4, num_stages=3)
-        return replace(a, num_warps=1) if "attn1w" in levers and 8 < t <= 32 else a
-
-    return gemm_plan, attention_plan
+    return gemm_plan, attention_config
 
 
 def row_major(weights: GpuWeights) -> GpuWeights:
@@ -172,7 +137,7 @@ def run_variant(
         cfg, weights, kv, max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks,
         lm_head_fp32_out="lmfp32" in levers,
         triton_gemm_max_tokens=max([0] + [n for lever, n in SKINNY.items() if lever in levers]),
-        pdl="pdl" in levers, triton_qkv=bool(levers & {"tqkv", "qkv128"}),
+        pdl="pdl" in levers, triton_qkv="tqkv" in levers,
         gemm_plan=gemm_plan, attention_plan=attention_plan,
     )  # fmt: skip
     if "cublaslt" in levers:

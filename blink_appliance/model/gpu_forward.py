@@ -7,9 +7,10 @@ replayed by the device-resident loop, which writes the inputs and reads `logits`
 
 Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
 paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
-GEMM. GEMMs run through cuBLAS, except in decode-sized buckets (<= 64 tokens by default), where O,
-gate+up and down run through the swap-AB Triton GEMM (`decode_gemms`; up to 16 tokens QKV too, its
-split-K partials summed by RoPE, and SiLU*up moves into the down GEMM's prologue).
+GEMM. GEMMs run through cuBLAS, except in decode-sized buckets (<= 128 tokens by default), where QKV
+(its split-K partials summed by RoPE), gate+up and down run through the swap-AB Triton GEMM, and O up
+to 64 tokens (`decode_gemms`); SiLU*up moves into the down GEMM's prologue up to 16 tokens and into
+the gate+up GEMM's epilogue at 65-128.
 The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
 
@@ -47,13 +48,14 @@ class AttentionConfig:
 def attention_config(num_tokens: int) -> AttentionConfig:
     """Per bucket, from H100 sweeps (bench/attention_chain.py: 16 layers' launches in one graph, as the
     step runs them; docs/gpu_forward.md): decode buckets have few programs per layer, so key ranges are
-    split to put more loads in flight and small programs (1-2 warps) start faster; from 128 tokens on
+    split to put more loads in flight and small programs (1-2 warps) start faster (T=32: 1 warp, 213 ->
+    187 us for 16 layers); from 128 tokens on
     there are programs enough and the merge kernel would cost more than it saves; prefill-heavy buckets
     take 16-token query tiles and 64-key tiles."""
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
-        return AttentionConfig(block_q=4, block_n=32, splits=4, num_warps=2, num_stages=2)
+        return AttentionConfig(block_q=4, block_n=32, splits=4, num_warps=1, num_stages=2)
     if num_tokens <= 128:
         return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=2, num_stages=2)
     return AttentionConfig(block_q=16, block_n=64, splits=1, num_warps=4, num_stages=3)
@@ -81,22 +83,19 @@ class GemmLaunch:
 @dataclass(frozen=True)
 class DecodeGemms:
     """Which projections of a bucket run through the swap-AB Triton GEMM (a launch shape) and which
-    through cuBLAS (None). O and down split K into fp32 partials that the next add+RMSNorm sums, QKV
-    into partials that RoPE sums, so there is no split-K reduce kernel."""
+    through cuBLAS (None). O and down split K into partials that the next add+RMSNorm sums, QKV into
+    partials that RoPE sums, so there is no split-K reduce kernel."""
 
     qkv: GemmLaunch | None = None
     o: GemmLaunch | None = None
     gate_up: GemmLaunch | None = None
     down: GemmLaunch | None = None
-    lm_head: GemmLaunch | None = None  # writes the fp32 logits itself (no split)
     silu_in_down: bool = False  # SiLU*up in the down GEMM's prologue instead of its own kernel
     silu_in_gate_up: bool = False  # the gate+up GEMM writes silu(gate)*up itself (its epilogue)
 
     def __post_init__(self) -> None:
         if self.silu_in_down and self.down is None:
             raise ValueError("silu_in_down needs the Triton down GEMM")
-        if self.lm_head and self.lm_head.split_k > 1:
-            raise ValueError("the LM head GEMM writes the logits unsplit")
         if self.silu_in_gate_up and (self.gate_up is None or self.silu_in_down or self.gate_up.split_k > 1):
             raise ValueError("silu_in_gate_up needs the Triton gate+up GEMM unsplit, and not silu_in_down")
 
@@ -106,19 +105,20 @@ CUBLAS_GEMMS = DecodeGemms()
 
 def decode_gemms(num_tokens: int) -> DecodeGemms:
     """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
-    bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py).
-    Prefill-sized buckets are compute-bound and take cuBLAS.
+    bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py,
+    bench/results/2026-11-23-h100-forward-gated-gemm.md). Prefill-sized buckets are compute-bound and
+    take cuBLAS.
 
     Up to 16 tokens everything is Triton and the SiLU runs in the down GEMM's prologue: recomputed per
-    weight tile, which is free at a few rows but costs 5x at 128 (the activation kernel then stays).
-    From 17 tokens on all rows sit in one 8-warp tile (weights read once); against cuBLAS at 128 tokens:
-    QKV 134 vs 131 us, O 103 vs 116, gate+up 437 vs 445, down 260 vs 312 (no reduce kernel), per 16
-    layers. In the whole step O, gate+up and down together won at 32 tokens (1B: 1.463 -> 1.374 ms) but
-    not at 128 (1.835 vs 1.839; 8B 8.35 vs 8.43). Above 64 tokens only down, the chain's one large win,
-    is offered: 1B T=128 1.843 -> 1.810 ms in bf16. It is not GpuForward's default (64) because these
-    bf16-tuned shapes do not fit shared memory for fp32 weights at 128 rows (down: 288 KB; the loop
-    tests' fp32 model fails to compile there; `check_triton_gemm_range` refuses that combination)
-    and nothing lowers the stages for fp32 yet (bench/results/2026-11-23-h100-forward-triton-qkv.md)."""
+    weight tile, which is free at a few rows but costs 5x at 128.
+    From 17 tokens on all rows sit in one 8-warp tile (weights read once), QKV splits K in two (RoPE sums
+    the halves) and the split-K partials stay in the weights' dtype: at 128 tokens fp32 partials are
+    4 MB a GEMM, and halving them took the 1B step 1.753 -> 1.728 ms.
+    17-64 tokens: O through the Triton GEMM, SiLU in its own kernel (the gated gate+up GEMM measured
+    slower here: 1.376 -> 1.393 ms at T=32).
+    65-128 tokens: the gate+up GEMM writes silu(gate)*up itself (no activation kernel, 1B T=128
+    1.806 -> 1.753 ms with down on Triton); O stays on cuBLAS, whose unsplit bf16 output the norm reads
+    (O through Triton: 1.728 -> 1.740)."""
     if num_tokens <= 16:
         return DecodeGemms(
             qkv=GemmLaunch(split_k=4, block_k=64),
@@ -127,32 +127,20 @@ def decode_gemms(num_tokens: int) -> DecodeGemms:
             down=GemmLaunch(split_k=4),
             silu_in_down=True,
         )
-    down = GemmLaunch(split_k=4, block_k=128, num_warps=8)
+    qkv = GemmLaunch(split_k=2, block_k=64, num_warps=8, fp32_partials=False)
+    down = GemmLaunch(split_k=4, block_k=128, num_warps=8, fp32_partials=False)
     if num_tokens <= 64:
         return DecodeGemms(
-            o=GemmLaunch(split_k=4, block_k=64, num_warps=8),
+            qkv=qkv,
+            o=GemmLaunch(split_k=4, block_k=64, num_warps=8, fp32_partials=False),
             gate_up=GemmLaunch(block_k=64, num_warps=8),
             down=down,
         )
     if num_tokens <= 128:
-        return DecodeGemms(down=down)
-    return CUBLAS_GEMMS
-
-
-# The 65-128-token launch shapes are tuned for 2-byte weights. With 4-byte weights on a GPU the down
-# GEMM's pipeline needs 288 KB of shared memory (an H100 block has 227 KB): Triton refuses to compile it
-# (seen on the H100), and no fp32 shapes are built yet.
-FP32_GPU_MAX_TRITON_TOKENS = 64
-
-
-def check_triton_gemm_range(max_tokens: int, dtype: torch.dtype, device_type: str) -> None:
-    """Refuse a Triton GEMM token range whose launch shapes do not fit this dtype on a GPU."""
-    if device_type == "cuda" and dtype.itemsize > 2 and max_tokens > FP32_GPU_MAX_TRITON_TOKENS:
-        raise ValueError(
-            f"triton_gemm_max_tokens={max_tokens} with {dtype} weights on a GPU: the Triton GEMM shapes "
-            f"above {FP32_GPU_MAX_TRITON_TOKENS} tokens are built for 2-byte weights and do not fit "
-            f"shared memory in {dtype}; use triton_gemm_max_tokens <= {FP32_GPU_MAX_TRITON_TOKENS}"
+        return DecodeGemms(
+            qkv=qkv, gate_up=GemmLaunch(block_k=64, num_warps=8), down=down, silu_in_gate_up=True
         )
+    return CUBLAS_GEMMS
 
 
 def in_major(matrix: torch.Tensor) -> torch.Tensor:
@@ -345,7 +333,7 @@ class GpuForward:
         max_blocks_per_seq: int,
         max_context_len: int | None = None,
         residual_fp32: bool = True,
-        triton_gemm_max_tokens: int = 64,
+        triton_gemm_max_tokens: int = 128,
         lm_head_fp32_out: bool | None = None,
         pdl: bool | None = None,
         triton_qkv: bool = True,
@@ -364,7 +352,6 @@ class GpuForward:
             )
         if kv.k.shape[0] != c.num_layers or kv.k.shape[3:] != (c.num_kv_heads, c.head_dim):
             raise ValueError(f"KV cache shape {tuple(kv.k.shape)} does not fit the model")
-        check_triton_gemm_range(triton_gemm_max_tokens, self.dtype, self.device.type)
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -390,7 +377,7 @@ class GpuForward:
         self._gate_up = buf(T, 2 * c.intermediate_size)
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
-        # Buckets up to this many tokens take the Triton GEMMs of `decode_gemms` (0: cuBLAS throughout);
+        # Buckets up to this many tokens take the Triton GEMMs of `gemm_plan` (0: cuBLAS throughout);
         # triton_qkv=False keeps QKV on cuBLAS even where `decode_gemms` gives it a launch.
         self.triton_gemm_max_tokens = triton_gemm_max_tokens
         self.triton_qkv = triton_qkv
@@ -538,9 +525,7 @@ class GpuForward:
             x_parts=down_parts,
             pdl=self.pdl,
         )
-        if g.lm_head:
-            skinny_gemm(final, w.lm_head, self.logits[:R], **g.lm_head.kernel_args(), pdl=self.pdl)
-        elif self.lm_head_fp32_out:
+        if self.lm_head_fp32_out:
             torch.mm(final, w.lm_head.t(), out_dtype=torch.float32, out=self.logits[:R])
         elif self._logits_lp is None:
             torch.mm(final, w.lm_head.t(), out=self.logits[:R])
