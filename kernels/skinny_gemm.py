@@ -7,12 +7,18 @@ operand (M side, so Hopper's warpgroup MMA with M = 64 applies) and the few toke
 transposed. Every weight byte is read by exactly one program. With the tokens on the A side
 instead (an earlier version) the MMA ran at M = 16 and the step was slower than cuBLAS.
 Narrow N (the O projection of a small model) leaves too few programs, so K can be cut into SPLIT_K
-slices: they land in fp32 partials `[SPLIT_K, M, N]`, summed by `sum_partials` or by the consumer
-(add+RMSNorm reads them); with SPLIT_K = 1 the program writes `out` in its dtype.
+slices: they land in partials `[SPLIT_K, M, N]` (fp32, or x's dtype for half the bytes), summed in
+fp32 by `sum_partials` or by the consumer (add+RMSNorm, RoPE); with SPLIT_K = 1 the program writes
+`out` in its dtype.
 
 With `silu_gate=True` the input is the fused gate+up activation `[M, 2K]` and the GEMM multiplies
 silu(gate) * up, computed on the fly per K tile (rounded as `silu_and_mul` rounds it): the MLP's down
-projection then needs no separate activation kernel.
+projection then needs no separate activation kernel. That recomputes the activation per weight tile,
+free at a few rows. At many rows `gated=True` moves the SiLU to the other side: the gate+up GEMM's
+program takes a gate tile and the matching up tile of the fused weight and writes silu(gate) * up.
+
+Pipeline stages are lowered until they fit shared memory (`pipeline_stages`): the launch shapes are
+tuned for 2-byte weights, and fp32 weights at 128 rows would not compile otherwise.
 
 Measured on the H100 (bench/gemm_chain.py, 16 launches in one graph, llama-3.2-1b, 8 tokens):
 O 91 us vs cuBLAS 114, down 225 vs 271, gate+up 403 vs 422, QKV 116 vs 129.
