@@ -114,7 +114,7 @@ def _sum_partials_kernel(part_ptr, out_ptr, M, N, out_stride, SPLIT_K: tl.conste
     mask = cols < N
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -186,7 +186,8 @@ def skinny_gemm(
 
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, split_k: int) -> torch.Tensor:
-    """out[M, N] = sum over the split_k slices of partials [split_k, M, N] (fp32), cast to out's dtype."""
+    """out[M, N] = sum in fp32 over the split_k slices of partials [split_k, M, N] (fp32 or a 2-byte
+    dtype), cast to out's dtype."""
     M, N = out.shape
     block = min(1024, triton.next_power_of_2(N))
     _sum_partials_kernel[(M, triton.cdiv(N, block))](

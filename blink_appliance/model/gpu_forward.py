@@ -378,7 +378,7 @@ class GpuForward:
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
         # Buckets up to this many tokens take the Triton GEMMs of `gemm_plan` (0: cuBLAS throughout);
-        # triton_qkv=False keeps QKV on cuBLAS even where `decode_gemms` gives it a launch.
+        # triton_qkv=False keeps QKV on cuBLAS even where the plan gives it a launch.
         self.triton_gemm_max_tokens = triton_gemm_max_tokens
         self.triton_qkv = triton_qkv
         # Per-bucket launch shapes; benchmarks pass their own to compare variants of the same step.
