@@ -65,8 +65,10 @@ async def test_requests_get_exactly_their_tokens_and_one_terminal_event():
     lengths = [int(rng.integers(1, 40)) for _ in prompts]
     with shm_region() as transport, server_thread(CounterEngine(max_running=8), transport):
         # In one process the engine's heartbeat thread competes for the GIL with 100 busy streams;
-        # on a loaded 2-core CI machine it has missed the default 0.8 s. Liveness is not under test here.
-        async with client_for(transport, dead_after_s=10.0) as client:
+        # on a loaded 2-core CI machine it has missed the default 0.8 s, and once (a fresh-clone CI
+        # run) even 10 s. Liveness is not under test here; a heartbeat that really stopped still
+        # fails the test, after a minute, with the beat's age in the message.
+        async with client_for(transport, dead_after_s=60.0) as client:
 
             async def one(prompt, n):
                 rid = await submit_when_free(client, prompt, SamplingParams(temperature=0.0, max_tokens=n))
@@ -278,8 +280,22 @@ async def test_shutdown_aborts_in_flight_and_client_sees_engine_stop():
             while client.engine_alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert server.region.load("engine_state") == EngineState.STOPPED
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError, match="engine state STOPPED"):
                 client.submit([1], GREEDY)
+
+
+async def test_submit_to_an_engine_whose_heartbeat_stopped_says_how_stale_it_is():
+    """State RUNNING but no engine beating (a hung engine process): the refusal names the beat's age."""
+    with shm_region() as transport:
+        client = EngineClient.attach(transport, SMALL, dead_after_s=0.05)
+        client.region.store("engine_state", EngineState.RUNNING)
+        client.region.store("engine_heartbeat_ns", 1)
+        await client.start()
+        try:
+            with pytest.raises(EngineDeadError, match=r"heartbeat last advanced \d+\.\d s ago, limit 0.05 s"):
+                client.submit([1], GREEDY)
+        finally:
+            await client.close()
 
 
 async def test_frontend_heartbeat_stale_reclaims_its_requests_and_a_new_frontend_gets_the_slots():

@@ -143,7 +143,7 @@ class EngineClient:
         if not -(2**31) <= priority < 2**31:
             raise ValueError(f"priority must fit in int32, got {priority}")
         if not self.engine_alive:
-            raise EngineDeadError("engine is not running (heartbeat stale or engine stopped)")
+            raise EngineDeadError(f"engine is not running ({self._why_dead()})")
         r = self.region
         if not self._free:
             raise EngineBusyError(f"all {g.max_inflight} in-flight slots are taken")
@@ -240,6 +240,17 @@ class EngineClient:
             and now - self._beat_seen_ns <= self.dead_after_ns
         )
 
+    def _why_dead(self) -> str:
+        """Which half of `engine_alive` failed, for the error a caller sees."""
+        state = self.region.load("engine_state")
+        if state != EngineState.RUNNING:
+            try:
+                return f"engine state {EngineState(state).name}"
+            except ValueError:
+                return f"engine state word {state}"
+        age_s = (time.monotonic_ns() - self._beat_seen_ns) / 1e9
+        return f"heartbeat last advanced {age_s:.1f} s ago, limit {self.dead_after_ns / 1e9:g} s"
+
     def telemetry(self) -> dict[str, int | float]:
         r = self.region
         values: dict[str, int | float] = dict(r.read_telemetry())
@@ -264,7 +275,7 @@ class EngineClient:
             if self._poll_channels():
                 self._active_ns = now
             if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
-                self._fail_pending("engine is dead: heartbeat stale or engine stopped")
+                self._fail_pending(f"engine is dead: {self._why_dead()}")
             if bool(self._by_slot) and now - self._active_ns < self.spin_ns:
                 await asyncio.sleep(0)
             else:
