@@ -135,7 +135,9 @@ def test_load_batch_refuses_what_does_not_fit():
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_captured_graphs_match_reference(dtype):
+# (8, 32): the 17-64 plan; (8, 72): the mixed steps land in bucket 72, the 65-128 plan (gated gate+up).
+@pytest.mark.parametrize("buckets", [(8, BUCKET), (8, 72)])
+def test_captured_graphs_match_reference(dtype, buckets):
     from blink_appliance.engine.cuda_graphs import ForwardGraphs
 
     ckpt = load_checkpoint("dummy:smollm2-135m", seed=5)
@@ -147,11 +149,11 @@ def test_captured_graphs_match_reference(dtype):
     kv = _fresh_kv(cfg, dtype, DEVICE)
     fwd = GpuForward(
         cfg, GpuWeights.from_hf(cfg, ckpt.weights, dtype, DEVICE), kv,
-        max_tokens=BUCKET, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
+        max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
     )  # fmt: skip
-    graphs = ForwardGraphs(fwd, buckets=(8, BUCKET))
+    graphs = ForwardGraphs(fwd, buckets=buckets)
     graphs.capture()
-    assert all(isinstance(graphs.raw_cuda_graph(T), int) and graphs.raw_cuda_graph(T) for T in (8, BUCKET))
+    assert all(isinstance(graphs.raw_cuda_graph(T), int) and graphs.raw_cuda_graph(T) for T in buckets)
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
     steps = STEPS + [[(0, [1]), (1, [2]), (2, [3]), (3, [4]), (4, [5])]]  # a decode-only step: bucket 8
     for chunks in steps:
@@ -159,6 +161,7 @@ def test_captured_graphs_match_reference(dtype):
         want = ref_model(_to(batch, DEVICE), ref_kv)
         _poison(fwd)
         T = graphs.bucket_for(batch.num_tokens)
+        assert T == (8 if batch.num_tokens <= 8 else buckets[1])
         fwd.load_batch(batch, T)
         got = graphs.replay(T)
         torch.cuda.synchronize()

@@ -495,23 +495,25 @@ class GpuForward:
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
             add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
+            # The MLP: silu(gate)*up lands in `act` (from the gate+up GEMM's epilogue, or its own
+            # kernel), unless the down GEMM computes it in its prologue from `gate_up`.
             if g.silu_in_gate_up:
                 skinny_gemm(x, layer.gate_up, act, **g.gate_up.kernel_args(), gated=True, pdl=self.pdl)
-            elif g.gate_up:
-                skinny_gemm(x, layer.gate_up, gate_up, **g.gate_up.kernel_args(), pdl=self.pdl)
             else:
-                torch.mm(x, layer.gate_up.t(), out=gate_up)
+                if g.gate_up:
+                    skinny_gemm(x, layer.gate_up, gate_up, **g.gate_up.kernel_args(), pdl=self.pdl)
+                else:
+                    torch.mm(x, layer.gate_up.t(), out=gate_up)
+                if not g.silu_in_down:
+                    silu_and_mul(gate_up, act, pdl=self.pdl)
             if g.silu_in_down:
                 skinny_gemm(
                     gate_up, layer.down, mlp_out, **g.down.kernel_args(), silu_gate=True, pdl=self.pdl
                 )
+            elif g.down:
+                skinny_gemm(act, layer.down, mlp_out, **g.down.kernel_args(), pdl=self.pdl)
             else:
-                if not g.silu_in_gate_up:
-                    silu_and_mul(gate_up, act, pdl=self.pdl)
-                if g.down:
-                    skinny_gemm(act, layer.down, mlp_out, **g.down.kernel_args(), pdl=self.pdl)
-                else:
-                    torch.mm(act, layer.down.t(), out=mlp_out)
+                torch.mm(act, layer.down.t(), out=mlp_out)
 
         final = self._final[:R]
         add_rmsnorm(
