@@ -22,12 +22,17 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
 - tunable: TunableOp picks each GEMM's algorithm by timing cuBLAS/cuBLASLt candidates (cold-cache
   rotating buffer) during the eager warm-up, before capture.
 - prod: the forward as it ships (skinny128+nn+lmfp32+pdl+tqkv).
-- o128: buckets of 65-128 tokens take O through the Triton GEMM too (the 17-64 shape).
 - fp32p: split-K partials in fp32 instead of the weights' dtype.
 - siluk: at 65-128 tokens SiLU*up in its own kernel instead of the gate+up GEMM's epilogue.
+- parts: O and down write split-K partials that the next norm sums (fp32 up to 16 tokens, bf16 above;
+  O at 65-128 tokens on cuBLAS) instead of adding into the fp32 residual stream: the deterministic
+  form that shipped before accumulation (launch shapes as today's plan).
+- <proj>.<field>=<int> (proj qkv, o, gate_up, down; a GemmLaunch field): that launch shape changed
+  in the 17-128-token buckets; <proj>16.<field>=<int> in the buckets up to 16 tokens.
 (The levers this file had at commit 98cc562, gu128 / qkv128 / bfp / attn1w / down8 / lmt / qkv4 /
 gubk128 / gu4w / attn16k, built today's `decode_gemms` and `attention_config` from the older ones;
-bench/results/2026-11-23-h100-forward-gated-gemm.md.)
+bench/results/2026-11-23-h100-forward-gated-gemm.md. o128, oacc, dacc, dacc8, o2x, d2x, obk and
+qkv32 are in 2026-11-23-h100-forward-accumulate.md.)
 "base" is none of them. Each variant's logits are compared with the first variant's on the same step
 (they must agree to bf16 rounding).
 """
@@ -68,7 +73,7 @@ from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
 
 SKINNY = {"skinny": 16, "skinny64": 64, "skinny128": 128}  # lever -> triton_gemm_max_tokens
 PROD = {"skinny128", "nn", "lmfp32", "pdl", "tqkv"}
-PLAN_LEVERS = {"o128", "fp32p", "siluk"}
+PLAN_LEVERS = {"fp32p", "siluk", "parts"}
 
 
 def plans(levers: set[str]):
@@ -77,13 +82,21 @@ def plans(levers: set[str]):
 
     def gemm_plan(t: int) -> DecodeGemms:
         g = decode_gemms(t)
-        if "o128" in levers and 64 < t <= 128:
-            g = replace(g, o=decode_gemms(64).o)
+        if "parts" in levers and g.accumulates:
+            o = replace(g.o, accumulate=False, fp32_partials=t <= 16) if t <= 64 else None
+            g = replace(g, o=o, down=replace(g.down, accumulate=False, fp32_partials=t <= 16))
         if "fp32p" in levers:
             split = [n for n in ("qkv", "o", "down") if getattr(g, n) and getattr(g, n).split_k > 1]
             g = replace(g, **{n: replace(getattr(g, n), fp32_partials=True) for n in split})
         if "siluk" in levers and g.silu_in_gate_up:
             g = replace(g, silu_in_gate_up=False)
+        for lever in levers:
+            if "=" in lever:
+                (proj, field), value = lever.split("=")[0].split("."), int(lever.split("=")[1])
+                small = proj.endswith("16")
+                proj = proj.removesuffix("16")
+                if (t <= 16) == small and t <= 128 and getattr(g, proj):
+                    g = replace(g, **{proj: replace(getattr(g, proj), **{field: value})})
         return g
 
     return gemm_plan, attention_config
@@ -126,7 +139,7 @@ def run_variant(
     if "prod" in levers:
         levers = (levers - {"prod"}) | PROD
     known = set(SKINNY) | {"lmfp32", "nn", "cublaslt", "tunable", "pdl", "tqkv"} | PLAN_LEVERS
-    unknown = levers - known
+    unknown = {lever for lever in levers - known if "=" not in lever}
     if unknown:
         raise ValueError(f"unknown levers {sorted(unknown)}")
     gemm_plan, attention_plan = plans(levers)

@@ -6,7 +6,8 @@ stream is only started (residual = x, for the first layer). The norm is taken in
 output dtype, then scaled by the weight: the order of the reference RMSNorm. The residual may be fp32
 under bf16 activations (a more accurate stream at the cost of a few KB per token of traffic).
 With `x_parts > 1`, x is the split-K partials of the GEMM before (`[x_parts, rows, H]`) and the
-kernel sums them first: the split-K reduction costs no kernel of its own. With `rows`, output row r reads input row rows[r] (the final norm runs only on
+kernel sums them first: the split-K reduction costs no kernel of its own. With x None the residual
+already holds the sum (a GEMM added into it) and is only normed. With `rows`, output row r reads input row rows[r] (the final norm runs only on
 the rows that sample); a negative index yields a zero row.
 """
 
@@ -30,7 +31,7 @@ def _add_rmsnorm_kernel(
     out_stride,
     x_part_stride,
     eps,
-    X_PARTS: tl.constexpr,
+    X_PARTS: tl.constexpr,  # 0: no x, the residual already holds the sum
     HAS_RESIDUAL: tl.constexpr,
     RESIDUAL_IN: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
@@ -52,8 +53,8 @@ def _add_rmsnorm_kernel(
     valid = src >= 0
     src = tl.maximum(src, 0)
     out_dtype = out_ptr.dtype.element_ty
-    xf = tl.load(x_ptr + src * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    for p in tl.static_range(1, X_PARTS):
+    xf = tl.zeros([BLOCK], tl.float32)
+    for p in tl.static_range(X_PARTS):
         xf += tl.load(x_ptr + p * x_part_stride + src * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_dtype = residual_ptr.dtype.element_ty
@@ -72,7 +73,7 @@ def _add_rmsnorm_kernel(
 
 
 def add_rmsnorm(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     weight: torch.Tensor,
     out: torch.Tensor,
     eps: float,
@@ -89,7 +90,12 @@ def add_rmsnorm(
     sum is stored into residual[src] (the residual stream advances in place). residual_in=False
     starts the stream: residual[src] = x[src], nothing read from it. x_parts > 1: x is
     [x_parts, N, H] partials (contiguous; fp32, or the activations' dtype) summed in fp32 on load.
+    x None: the residual already holds the sum (a GEMM accumulated into it); it is normed, not written.
     """
+    if x is None:
+        if residual is None or not residual_in:
+            raise ValueError("add_rmsnorm: without x it norms the residual, which must be given and read")
+        x, x_parts, write_residual = residual, 0, False
     if x_parts > 1 and (x.dim() != 3 or x.shape[0] != x_parts or not x.is_contiguous()):
         raise ValueError("add_rmsnorm: x_parts > 1 needs contiguous partials [x_parts, N, H]")
     if not residual_in and (residual is None or not write_residual):

@@ -9,7 +9,8 @@ instead (an earlier version) the MMA ran at M = 16 and the step was slower than 
 Narrow N (the O projection of a small model) leaves too few programs, so K can be cut into SPLIT_K
 slices: they land in partials `[SPLIT_K, M, N]` (fp32, or x's dtype for half the bytes), summed in
 fp32 by `sum_partials` or by the consumer (add+RMSNorm, RoPE); with SPLIT_K = 1 the program writes
-`out` in its dtype.
+`out` in its dtype. With `accumulate` the slices instead add into an fp32 `out` with atomics (the
+residual stream: O and down then need no partials and the norm after them no sum).
 
 With `silu_gate=True` the input is the fused gate+up activation `[M, 2K]` and the GEMM multiplies
 silu(gate) * up, computed on the fly per K tile (rounded as `silu_and_mul` rounds it): the MLP's down
@@ -54,6 +55,7 @@ def _skinny_gemm_kernel(
     EVEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GATED: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
@@ -100,7 +102,13 @@ def _skinny_gemm_kernel(
         g = acc.to(out_ty).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
         acc = act * acc_up.to(out_ty).to(tl.float32)
-    if SPLIT_K == 1:
+    if ACCUMULATE:  # out (fp32) += acc: one owner per element unsplit, else the slices add atomically
+        dst = out_ptr + t[None, :] * out_stride + n[:, None]
+        if SPLIT_K == 1:
+            tl.store(dst, tl.load(dst, mask=mask, other=0.0) + acc, mask=mask)
+        else:
+            tl.atomic_add(dst, acc, mask=mask, sem="relaxed")
+    elif SPLIT_K == 1:
         tl.store(out_ptr + t[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = out_ptr + (split * M + t[None, :]).to(tl.int64) * N + n[:, None]
@@ -143,6 +151,7 @@ def skinny_gemm(
     num_warps: int = 4,
     silu_gate: bool = False,
     gated: bool = False,
+    accumulate: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] (M <= 256, padded to a power of two >= 16 in the MMA), or [M, 2K] gate|up with
@@ -151,6 +160,9 @@ def skinny_gemm(
     [split_k, M, N]; fp32, or x's dtype for half the bytes at one more rounding per slice).
     gated: w is the fused [2N, K] gate+up weight and out[M, N] = silu(x @ gate^T) * (x @ up^T), the
     MLP activation written by the GEMM itself (split_k 1).
+    accumulate: out is an fp32 [M, N] sum that the product is added to (out += x @ w^T); with split_k > 1
+    each slice adds its part with fp32 atomics, so there are no partials, and the order of the adds (the
+    last bits of the sum) varies from run to run.
     pdl: launch as a programmatic dependent (sm_90+; waits for the kernel before prior to reading x)."""
     M, K = x.shape
     if silu_gate:
@@ -164,11 +176,14 @@ def skinny_gemm(
         )
     if gated and (split_k != 1 or silu_gate or w.shape[0] % 2):
         raise ValueError("skinny_gemm: gated needs an even [2N, K] gate+up weight, split_k 1, no silu_gate")
-    if split_k > 1 and (out.dtype not in (torch.float32, x.dtype) or out.numel() < split_k * M * N):
+    if accumulate and (out.dtype != torch.float32 or out.shape[0] < M or out.shape[-1] != N or gated):
+        raise ValueError("skinny_gemm: accumulate needs an fp32 out [M, N] and no gated")
+    partials = split_k > 1 and not accumulate
+    if partials and (out.dtype not in (torch.float32, x.dtype) or out.numel() < split_k * M * N):
         raise ValueError(
             "skinny_gemm: split_k > 1 needs fp32 (or x's dtype) partials of split_k * M * N elements"
         )
-    if split_k == 1 and out.stride(-1) != 1:
+    if not partials and out.stride(-1) != 1:
         raise ValueError("skinny_gemm: out must be row-major")
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     even = N % block_n == 0 and K % k_per_split == 0
@@ -176,10 +191,10 @@ def skinny_gemm(
     w_tiles = 2 if gated else 1
     stage_bytes = (w_tiles * block_n * block_k + block_k * block_t) * x.element_size()
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), split_k)](
-        x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), out.stride(0) if split_k == 1 else N,
+        x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), N if partials else out.stride(0),
         k_per_split, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_GATE=silu_gate, EVEN=even,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated, USE_PDL=pdl,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated, ACCUMULATE=accumulate, USE_PDL=pdl,
         num_stages=pipeline_stages(num_stages, stage_bytes), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

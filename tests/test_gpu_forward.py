@@ -17,7 +17,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.model.gpu_forward import GpuForward, GpuWeights  # noqa: E402
+from blink_appliance.model.gpu_forward import (  # noqa: E402
+    DecodeGemms,
+    GpuForward,
+    GpuWeights,
+    decode_gemms,
+)
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
 from tests.model_helpers import PagedSequences  # noqa: E402
@@ -43,14 +48,31 @@ def _fresh_kv(config, dtype, device):
     return kv
 
 
+def partials_gemms(num_tokens: int) -> DecodeGemms:
+    """`decode_gemms` with O and down writing split-K partials that the next norm sums, instead of
+    adding into the residual stream (the deterministic form)."""
+    g = decode_gemms(num_tokens)
+    if not g.accumulates:
+        return g
+    return replace(g, o=replace(g.o, accumulate=False), down=replace(g.down, accumulate=False))
+
+
 @pytest.mark.parametrize(
-    "preset,triton_gemm_max_tokens,bucket",
-    # (128, 32): every projection through the Triton GEMM (all rows in one tile, split-K partials summed
-    # by RoPE and the norms); (0, 32): cuBLAS for every projection; (128, 72): QKV, down and the gate+up
-    # GEMM that writes silu(gate)*up itself, O on cuBLAS.
-    [("tiny", 128, 32), ("tiny-qwen2", 128, 32), ("tiny-qwen3", 128, 32), ("tiny", 0, 32), ("tiny", 128, 72)],
+    "preset,triton_gemm_max_tokens,bucket,accumulate",
+    # (128, 32): every projection through the Triton GEMM (all rows in one tile, QKV's split-K partials
+    # summed by RoPE, O and down adding into the residual stream); (0, 32): cuBLAS for every projection;
+    # (128, 72): the gate+up GEMM writes silu(gate)*up itself; accumulate False: O and down write
+    # split-K partials that the norms sum.
+    [
+        ("tiny", 128, 32, True),
+        ("tiny-qwen2", 128, 32, True),
+        ("tiny-qwen3", 128, 32, True),
+        ("tiny", 0, 32, False),
+        ("tiny", 128, 72, True),
+        ("tiny", 128, 32, False),
+    ],
 )
-def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens, bucket):
+def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens, bucket, accumulate):
     ckpt = load_checkpoint(f"dummy:{preset}", seed=3)
     cfg = ckpt.config
     ref_model = build_model(ckpt, torch.float32, DEVICE)
@@ -60,12 +82,13 @@ def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_toke
         cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
         max_tokens=bucket, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
         triton_gemm_max_tokens=triton_gemm_max_tokens,
+        gemm_plan=decode_gemms if accumulate else partials_gemms,
     )  # fmt: skip
     # The bucket really takes the path this case is named for.
     plan = fwd._gemms(bucket)
     triton = [name for name in ("qkv", "o", "gate_up", "down") if getattr(plan, name)]
-    want_plan = {0: [], 32: ["qkv", "o", "gate_up", "down"], 72: ["qkv", "gate_up", "down"]}
-    assert triton == want_plan[bucket if triton_gemm_max_tokens else 0]
+    assert triton == (["qkv", "o", "gate_up", "down"] if triton_gemm_max_tokens else [])
+    assert plan.accumulates == accumulate
     assert plan.silu_in_gate_up == (triton_gemm_max_tokens > 0 and bucket > 64)
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
     for chunks in STEPS:
@@ -85,8 +108,8 @@ def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_toke
             b = getattr(ref_kv, name).flatten(1, 2)[:, written]
             assert ((a - b).norm() / b.norm()).item() < 1e-5, f"{name} cache differs"
 
-    # A decode-only step in a small bucket: the few-row path (split-K O/down GEMMs, SiLU in the
-    # down GEMM's prologue, partials summed by the norms), or cuBLAS with triton_gemm_max_tokens=0.
+    # A decode-only step in a small bucket: the few-row path (split-K O/down GEMMs adding into the
+    # stream or writing partials the norms sum, SiLU in the down GEMM's prologue), or cuBLAS.
     batch = seqs.batch([(s, [40 + s]) for s in range(5)])
     want = ref_model(_to(batch, DEVICE), ref_kv)
     _poison(fwd)

@@ -160,3 +160,39 @@ def test_skinny_gemm_bf16_partials_summed_by_add_rmsnorm():
     add_rmsnorm(part, norm_w, out, 1e-5, residual=residual, x_parts=split)
     assert ((residual.double() - want_res).norm() / want_res.norm()).item() < 1e-2
     assert ((out.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_skinny_gemm_accumulates_into_an_fp32_stream(split_k):
+    """accumulate: out (fp32, the residual stream) += x @ w^T; split slices add with atomics; a norm
+    then reads the stream alone (x None), without writing it."""
+    from blink_appliance.kernels.rmsnorm import add_rmsnorm
+
+    M, N, K = (128, 2048, 2048) if GPU else (37, 40, 128)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    w = (0.05 * torch.randn(K, N, device=DEVICE)).to(dtype).t()  # in-major storage, as the forward keeps it
+    stream = torch.randn(M, N, device=DEVICE)
+    want = stream.double() + x.double() @ w.double().t()
+    bk = 64 if GPU else 32
+    skinny_gemm(
+        x, w, stream, split_k=split_k, block_k=bk, num_warps=8 if GPU else 4, accumulate=True, pdl=GPU
+    )
+    assert ((stream.double() - want).norm() / want.norm()).item() < (1e-3 if GPU else 1e-6)
+    norm_w = (1 + 0.1 * torch.randn(N, device=DEVICE)).to(dtype)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    before = stream.clone()
+    add_rmsnorm(None, norm_w, out, 1e-5, residual=stream, pdl=GPU)
+    assert torch.equal(stream, before)
+    normed = (before * torch.rsqrt(before.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double()
+    want_out = normed * norm_w.double()
+    assert ((out.double() - want_out).norm() / want_out.norm()).item() < (1e-2 if GPU else 1e-5)
+
+
+def test_skinny_gemm_accumulate_refuses_a_low_precision_stream():
+    with pytest.raises(ValueError, match="accumulate needs an fp32 out"):
+        skinny_gemm(
+            torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, 16, dtype=torch.bfloat16), accumulate=True
+        )
+    with pytest.raises(ValueError, match="accumulate needs an fp32 out"):
+        skinny_gemm(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, 8), accumulate=True)

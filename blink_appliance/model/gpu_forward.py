@@ -72,6 +72,9 @@ class GemmLaunch:
     num_stages: int = 4
     # Split-K partials in fp32, or (False) in the weights' dtype: half the bytes, one more rounding.
     fp32_partials: bool = True
+    # O and down only: add the product into the fp32 residual stream (split-K slices with atomics), so
+    # there are no partials and the norm after it only reads the stream; fp32 adds in varying order.
+    accumulate: bool = False
 
     def kernel_args(self) -> dict:
         """The launch shape as skinny_gemm's keyword arguments."""
@@ -83,8 +86,9 @@ class GemmLaunch:
 @dataclass(frozen=True)
 class DecodeGemms:
     """Which projections of a bucket run through the swap-AB Triton GEMM (a launch shape) and which
-    through cuBLAS (None). O and down split K into partials that the next add+RMSNorm sums, QKV into
-    partials that RoPE sums, so there is no split-K reduce kernel."""
+    through cuBLAS (None). O and down split K into partials that the next add+RMSNorm sums (or add
+    into the residual stream themselves, `accumulate`), QKV into partials that RoPE sums, so there is
+    no split-K reduce kernel."""
 
     qkv: GemmLaunch | None = None
     o: GemmLaunch | None = None
@@ -98,6 +102,12 @@ class DecodeGemms:
             raise ValueError("silu_in_down needs the Triton down GEMM")
         if self.silu_in_gate_up and (self.gate_up is None or self.silu_in_down or self.gate_up.split_k > 1):
             raise ValueError("silu_in_gate_up needs the Triton gate+up GEMM unsplit, and not silu_in_down")
+        if any(g and g.accumulate for g in (self.qkv, self.gate_up)):
+            raise ValueError("only O and down can accumulate into the residual stream")
+
+    @property
+    def accumulates(self) -> bool:
+        return any(g and g.accumulate for g in (self.o, self.down))
 
 
 CUBLAS_GEMMS = DecodeGemms()
@@ -106,41 +116,36 @@ CUBLAS_GEMMS = DecodeGemms()
 def decode_gemms(num_tokens: int) -> DecodeGemms:
     """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
     bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py,
-    bench/results/2026-11-23-h100-forward-gated-gemm.md). Prefill-sized buckets are compute-bound and
-    take cuBLAS.
+    bench/results/2026-11-23-h100-forward-gated-gemm.md, 2026-11-23-h100-forward-accumulate.md).
+    Prefill-sized buckets are compute-bound and take cuBLAS.
 
+    O and down add their products into the fp32 residual stream (`accumulate`, split-K slices with
+    atomics): no partials to write, and the norm after each reads only the stream (1B: T=8 1.199 ->
+    1.153 ms, T=128 1.710 -> 1.673; O at 65-128 tokens moves off cuBLAS with it).
     Up to 16 tokens everything is Triton and the SiLU runs in the down GEMM's prologue: recomputed per
-    weight tile, which is free at a few rows but costs 5x at 128.
+    weight tile, which is free at a few rows but costs 5x at 128; down splits 8 ways there.
     From 17 tokens on all rows sit in one 8-warp tile (weights read once), QKV splits K in two (RoPE sums
-    the halves) and the split-K partials stay in the weights' dtype: at 128 tokens fp32 partials are
-    4 MB a GEMM, and halving them took the 1B step 1.753 -> 1.728 ms.
-    17-64 tokens: O through the Triton GEMM, SiLU in its own kernel (the gated gate+up GEMM measured
-    slower here: 1.376 -> 1.393 ms at T=32).
-    65-128 tokens: the gate+up GEMM writes silu(gate)*up itself (no activation kernel, 1B T=128
-    1.806 -> 1.753 ms with down on Triton); O stays on cuBLAS, whose unsplit bf16 output the norm reads
-    (O through Triton: 1.728 -> 1.740)."""
+    the halves, kept in the weights' dtype: half the bytes of fp32) and QKV and O take 128-deep K tiles.
+    17-64 tokens: SiLU in its own kernel (the gated gate+up GEMM measured slower here: 1.376 -> 1.393 ms
+    at T=32). 65-128 tokens: the gate+up GEMM writes silu(gate)*up itself (no activation kernel, 1B
+    T=128 1.806 -> 1.753 ms)."""
     if num_tokens <= 16:
         return DecodeGemms(
             qkv=GemmLaunch(split_k=4, block_k=64),
-            o=GemmLaunch(split_k=4),
+            o=GemmLaunch(split_k=4, accumulate=True),
             gate_up=GemmLaunch(block_n=128, block_k=64),
-            down=GemmLaunch(split_k=4),
+            down=GemmLaunch(split_k=8, accumulate=True),
             silu_in_down=True,
         )
-    qkv = GemmLaunch(split_k=2, block_k=64, num_warps=8, fp32_partials=False)
-    down = GemmLaunch(split_k=4, block_k=128, num_warps=8, fp32_partials=False)
-    if num_tokens <= 64:
-        return DecodeGemms(
-            qkv=qkv,
-            o=GemmLaunch(split_k=4, block_k=64, num_warps=8, fp32_partials=False),
-            gate_up=GemmLaunch(block_k=64, num_warps=8),
-            down=down,
-        )
-    if num_tokens <= 128:
-        return DecodeGemms(
-            qkv=qkv, gate_up=GemmLaunch(block_k=64, num_warps=8), down=down, silu_in_gate_up=True
-        )
-    return CUBLAS_GEMMS
+    if num_tokens > 128:
+        return CUBLAS_GEMMS
+    return DecodeGemms(
+        qkv=GemmLaunch(split_k=2, block_k=128, num_warps=8, fp32_partials=False),
+        o=GemmLaunch(split_k=4, block_k=128, num_warps=8, accumulate=True),
+        gate_up=GemmLaunch(block_k=64, num_warps=8),
+        down=GemmLaunch(split_k=4, block_k=128, num_warps=8, accumulate=True),
+        silu_in_gate_up=num_tokens > 64,
+    )
 
 
 def in_major(matrix: torch.Tensor) -> torch.Tensor:
@@ -392,6 +397,8 @@ class GpuForward:
             pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         self.pdl = pdl
         plans = [(t, self._gemms(t)) for t in range(1, T + 1)]
+        if self._residual.dtype != torch.float32 and any(g.accumulates for _, g in plans):
+            raise ValueError("a GEMM plan that accumulates into the residual stream needs residual_fp32")
 
         def partials(name: str, width: int, min_split: int) -> torch.Tensor | None:
             """fp32 split-K scratch for one projection, sized for the bucket that needs the most."""
@@ -399,13 +406,14 @@ class GpuForward:
                 (
                     launch.split_k * t
                     for t, g in plans
-                    if (launch := getattr(g, name)) and launch.split_k >= min_split
+                    if (launch := getattr(g, name)) and launch.split_k >= min_split and not launch.accumulate
                 ),
                 default=0,
             )
             return buf(rows * width, dtype=torch.float32) if rows else None
 
-        # RoPE reads QKV as partials whenever QKV is Triton; O and down write partials only when split.
+        # RoPE reads QKV as partials whenever QKV is Triton; O and down write partials only when split
+        # (and not accumulating into the residual).
         self._qkv_parts = partials("qkv", c.q_size + 2 * c.kv_size, 1)
         self._o_parts = partials("o", H, 2)
         self._down_parts = partials("down", H, 2)
@@ -461,15 +469,23 @@ class GpuForward:
         g = self._gemms(T)
         o_parts = g.o.split_k if g.o else 1
         down_parts = g.down.split_k if g.down else 1
-        o_out = self._split_out(self._o_parts, g.o, T, H) if o_parts > 1 else proj
-        mlp_out = self._split_out(self._down_parts, g.down, T, H) if down_parts > 1 else proj
+        # Where O and down write, and what the norm after each adds to the stream: their partials (or
+        # output), or, when the GEMM added its product into the stream itself, the stream and nothing.
+        if g.o and g.o.accumulate:
+            o_out, o_sum = h, None
+        else:
+            o_out = o_sum = self._split_out(self._o_parts, g.o, T, H) if o_parts > 1 else proj
+        if g.down and g.down.accumulate:
+            mlp_out, mlp_sum = h, None
+        else:
+            mlp_out = mlp_sum = self._split_out(self._down_parts, g.down, T, H) if down_parts > 1 else proj
 
         torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
         for i, layer in enumerate(w.layers):
             if i == 0:
                 add_rmsnorm(proj, layer.input_norm, x, eps, residual=h, residual_in=False)
             else:
-                add_rmsnorm(mlp_out, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
+                add_rmsnorm(mlp_sum, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
             qkv_parts = bias = None
             if g.qkv:  # split-K partials; RoPE sums them (and adds the bias)
                 qkv_parts = self._split_out(self._qkv_parts, g.qkv, T, qkv.shape[1])
@@ -494,7 +510,7 @@ class GpuForward:
                 skinny_gemm(attn, layer.o_proj, o_out, **g.o.kernel_args(), pdl=self.pdl)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
-            add_rmsnorm(o_out, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
+            add_rmsnorm(o_sum, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
             # The MLP: silu(gate)*up lands in `act` (from the gate+up GEMM's epilogue, or its own
             # kernel), unless the down GEMM computes it in its prologue from `gate_up`.
             if g.silu_in_gate_up:
@@ -517,7 +533,7 @@ class GpuForward:
 
         final = self._final[:R]
         add_rmsnorm(
-            mlp_out,
+            mlp_sum,
             w.norm,
             final,
             eps,
