@@ -24,11 +24,11 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
 - prod: the forward as it ships (skinny128+nn+lmfp32+pdl+tqkv).
 - fp32p: split-K partials in fp32 instead of the weights' dtype.
 - siluk: at 65-128 tokens SiLU*up in its own kernel instead of the gate+up GEMM's epilogue.
-- parts: O and down write split-K partials that the next norm sums (fp32 up to 16 tokens, bf16 above;
-  O at 65-128 tokens on cuBLAS) instead of adding into the fp32 residual stream: the deterministic
-  form that shipped before accumulation (launch shapes as today's plan).
+- parts: `deterministic_gemms` (profile engine.deterministic): O and down write split-K partials that
+  the next norm sums (O at 65-128 tokens on cuBLAS) instead of adding into the fp32 residual stream.
 - <proj>.<field>=<int> (proj qkv, o, gate_up, down; a GemmLaunch field): that launch shape changed
   in the 17-128-token buckets; <proj>16.<field>=<int> in the buckets up to 16 tokens.
+- attn128.<field>=<int> (an AttentionConfig field): the attention launch shape at 33-128 tokens.
 (The levers this file had at commit 98cc562, gu128 / qkv128 / bfp / attn1w / down8 / lmt / qkv4 /
 gubk128 / gu4w / attn16k, built today's `decode_gemms` and `attention_config` from the older ones;
 bench/results/2026-11-23-h100-forward-gated-gemm.md. o128, oacc, dacc, dacc8, o2x, d2x, obk and
@@ -62,11 +62,13 @@ from triton.testing import do_bench  # noqa: E402
 
 from blink_appliance.engine.cuda_graphs import ForwardGraphs  # noqa: E402
 from blink_appliance.model.gpu_forward import (  # noqa: E402
+    AttentionConfig,
     DecodeGemms,
     GpuForward,
     GpuWeights,
     attention_config,
     decode_gemms,
+    deterministic_gemms,
 )
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
@@ -81,17 +83,14 @@ def plans(levers: set[str]):
     `attention_config`, with the plan levers applied."""
 
     def gemm_plan(t: int) -> DecodeGemms:
-        g = decode_gemms(t)
-        if "parts" in levers and g.accumulates:
-            o = replace(g.o, accumulate=False, fp32_partials=t <= 16) if t <= 64 else None
-            g = replace(g, o=o, down=replace(g.down, accumulate=False, fp32_partials=t <= 16))
+        g = deterministic_gemms(t) if "parts" in levers else decode_gemms(t)
         if "fp32p" in levers:
             split = [n for n in ("qkv", "o", "down") if getattr(g, n) and getattr(g, n).split_k > 1]
             g = replace(g, **{n: replace(getattr(g, n), fp32_partials=True) for n in split})
         if "siluk" in levers and g.silu_in_gate_up:
             g = replace(g, silu_in_gate_up=False)
         for lever in levers:
-            if "=" in lever:
+            if "=" in lever and not lever.startswith("attn"):
                 (proj, field), value = lever.split("=")[0].split("."), int(lever.split("=")[1])
                 small = proj.endswith("16")
                 proj = proj.removesuffix("16")
@@ -99,7 +98,15 @@ def plans(levers: set[str]):
                     g = replace(g, **{proj: replace(getattr(g, proj), **{field: value})})
         return g
 
-    return gemm_plan, attention_config
+    def attention_plan(t: int) -> AttentionConfig:
+        a = attention_config(t)
+        for lever in levers:
+            if lever.startswith("attn128.") and 32 < t <= 128:
+                field, value = lever.removeprefix("attn128.").split("=")
+                a = replace(a, **{field: int(value)})
+        return a
+
+    return gemm_plan, attention_plan
 
 
 def row_major(weights: GpuWeights) -> GpuWeights:
@@ -181,8 +188,8 @@ def run_variant(
         floor = floor_weights.bytes_read_per_step(T) / bw * 1e3
         rows.append(dict(variant=name, bucket=T, step_ms=ms, repeat_ms=ms2, floor_ms=floor, ratio=ms / floor))
         if profile and T in (8, 128):
-            groups, top = profile_step(fwd, T)
-            profiles[T] = dict(groups=groups, top=top)
+            groups, top, roles = profile_step(fwd, T)
+            profiles[T] = dict(groups=groups, top=top, roles=roles)
     if "cublaslt" in levers:
         torch.backends.cuda.preferred_blas_library("cublas")
     if "tunable" in levers:
@@ -243,6 +250,7 @@ def main() -> None:
         for T, p in prof.items():
             parts = ", ".join(f"{g} {v:.3f}" for g, v in p["groups"].items())
             print(f"{name} T={T}: {parts}")
+            print("    timeline: " + ", ".join(f"{g} {v:.3f}" for g, v in p["roles"].items()))
             if T == 8:
                 for kname, count, ms in p["top"][:6]:
                     print(f"    {ms:.3f} ms x{count} {kname}")

@@ -183,6 +183,9 @@ class EngineSection(_Section):
     mode: EngineMode | None = None  # default: "reference" on cpu, "loop" on cuda:N
     num_slots: int | None = Field(default=None, ge=1, le=65536)  # requests the loop holds at once
     buckets: list[int] | None = None  # captured forward sizes, ascending, ending at the step budget
+    # True: no atomics in the forward (O and down sum split-K partials in a fixed order), the same step
+    # gives the same logits every run, 3-5% slower (1B decode). Default: fp32 atomics into the stream.
+    deterministic: bool | None = None
 
     @field_validator("buckets")
     @classmethod
@@ -267,7 +270,7 @@ class Profile(_Section):
             ]
         errors = []
         if mode == "reference":
-            for key in ("num_slots", "buckets"):
+            for key in ("num_slots", "buckets", "deterministic"):
                 if getattr(e, key) is not None:
                     errors.append(f"engine.{key}: only the GPU loop uses it (engine.mode 'loop' or 'host')")
             return errors

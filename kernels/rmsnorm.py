@@ -7,8 +7,10 @@ output dtype, then scaled by the weight: the order of the reference RMSNorm. The
 under bf16 activations (a more accurate stream at the cost of a few KB per token of traffic).
 With `x_parts > 1`, x is the split-K partials of the GEMM before (`[x_parts, rows, H]`) and the
 kernel sums them first: the split-K reduction costs no kernel of its own. With x None the residual
-already holds the sum (a GEMM added into it) and is only normed. With `rows`, output row r reads input row rows[r] (the final norm runs only on
-the rows that sample); a negative index yields a zero row.
+already holds the sum (a GEMM added into it) and is only normed. With `rows`, output row r reads
+input row rows[r] (the final norm runs only on the rows that sample); a negative index yields a zero
+row. With `x_rows`, row r reads x row x_rows[r] (the first layer's norm gathers the token embeddings
+itself: no gather kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _add_rmsnorm_kernel(
     weight_ptr,
     out_ptr,
     rows_ptr,
+    x_rows_ptr,
     hidden,
     x_stride,
     residual_stride,
@@ -36,6 +39,7 @@ def _add_rmsnorm_kernel(
     RESIDUAL_IN: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    HAS_X_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -53,9 +57,11 @@ def _add_rmsnorm_kernel(
     valid = src >= 0
     src = tl.maximum(src, 0)
     out_dtype = out_ptr.dtype.element_ty
+    x_src = tl.load(x_rows_ptr + r).to(tl.int64) if HAS_X_ROWS else src
     xf = tl.zeros([BLOCK], tl.float32)
     for p in tl.static_range(X_PARTS):
-        xf += tl.load(x_ptr + p * x_part_stride + src * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        part = tl.load(x_ptr + p * x_part_stride + x_src * x_stride + cols, mask=mask, other=0.0)
+        xf += part.to(tl.float32)
     if HAS_RESIDUAL:
         res_dtype = residual_ptr.dtype.element_ty
         if RESIDUAL_IN:
@@ -82,6 +88,7 @@ def add_rmsnorm(
     rows: torch.Tensor | None = None,
     residual_in: bool = True,
     x_parts: int = 1,
+    x_rows: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """out[r] = rmsnorm(x[src] (+ residual[src])) * weight, src = rows[r] if rows is given else r.
@@ -91,6 +98,8 @@ def add_rmsnorm(
     starts the stream: residual[src] = x[src], nothing read from it. x_parts > 1: x is
     [x_parts, N, H] partials (contiguous; fp32, or the activations' dtype) summed in fp32 on load.
     x None: the residual already holds the sum (a GEMM accumulated into it); it is normed, not written.
+    x_rows: row r reads x[x_rows[r]] (an embedding table gathered by token id) instead of x[src];
+    not with rows or partials.
     """
     if x is None:
         if residual is None or not residual_in:
@@ -98,10 +107,13 @@ def add_rmsnorm(
         x, x_parts, write_residual = residual, 0, False
     if x_parts > 1 and (x.dim() != 3 or x.shape[0] != x_parts or not x.is_contiguous()):
         raise ValueError("add_rmsnorm: x_parts > 1 needs contiguous partials [x_parts, N, H]")
+    if x_rows is not None and (rows is not None or x_parts != 1):
+        raise ValueError("add_rmsnorm: x_rows gathers plain x rows, without rows or partials")
     if not residual_in and (residual is None or not write_residual):
         raise ValueError("add_rmsnorm: residual_in=False needs a residual to write")
     hidden = x.shape[-1]
-    n_out = rows.shape[0] if rows is not None else x.shape[-2]
+    gather = rows if rows is not None else x_rows
+    n_out = gather.shape[0] if gather is not None else x.shape[-2]
     if out.shape[0] < n_out or out.shape[-1] != hidden:
         raise ValueError(f"add_rmsnorm: out {tuple(out.shape)} cannot hold {n_out} rows of {hidden}")
     if n_out == 0:
@@ -112,6 +124,7 @@ def add_rmsnorm(
         weight,
         out,
         rows if rows is not None else x,
+        x_rows if x_rows is not None else x,
         hidden,
         x.stride(-2),
         residual.stride(0) if residual is not None else 0,
@@ -123,6 +136,7 @@ def add_rmsnorm(
         RESIDUAL_IN=residual_in,
         WRITE_RESIDUAL=residual is not None and write_residual,
         HAS_ROWS=rows is not None,
+        HAS_X_ROWS=x_rows is not None,
         BLOCK=triton.next_power_of_2(hidden),
         USE_PDL=pdl,
         num_warps=4 if hidden <= 4096 else 8,

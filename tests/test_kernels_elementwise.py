@@ -86,6 +86,23 @@ def test_rmsnorm_residual_stream_start_and_fp32_stream(dtype):
         add_rmsnorm(x, w, out, 1e-5, residual_in=False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_gathers_x_rows_from_an_embedding_table(dtype):
+    """x_rows: the first layer's norm reads its rows out of the embedding table by token id (repeats
+    included) and starts the stream with them; refused together with rows or partials."""
+    hidden = HIDDEN[0]
+    table = torch.randn(11, hidden, dtype=dtype, device=DEVICE)
+    ids = torch.tensor([3, 0, 10, 3, 7], device=DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    stream = torch.full((5, hidden), float("nan"), dtype=torch.float32, device=DEVICE)
+    out = torch.full((5, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    add_rmsnorm(table, w, out, 1e-5, residual=stream, residual_in=False, x_rows=ids)
+    assert torch.equal(stream, table[ids].float())
+    assert rel(out, ref_rmsnorm(table[ids], w, 1e-5)) < tol(dtype)
+    with pytest.raises(ValueError, match="x_rows gathers plain x rows"):
+        add_rmsnorm(table, w, out, 1e-5, residual=stream, x_rows=ids, rows=ids)
+
+
 def test_rmsnorm_sums_split_k_partials():
     """x given as fp32 partials [P, N, H] (a split-K GEMM's output): summed, then add + norm."""
     hidden, parts, n = HIDDEN[0], 3, 6

@@ -376,3 +376,21 @@ def test_state_problems_name_a_double_release_a_leak_and_shared_run_orders():
     state.slot_state[5] = state.slot_state[9] = SlotState.RUNNING
     state.run_order[5] = state.run_order[9] = 3  # the schedule ranks RUNNING slots by run order
     assert state.problems() == ["RUNNING slots share run orders, e.g. [3]"]
+
+
+def test_build_takes_the_gemm_plan_the_profile_asks_for():
+    """LoopStep.build(deterministic=True) (profile engine.deterministic) gives the forward the plan
+    without atomics; the default adds O and down into the residual stream."""
+    from blink_appliance.model.gpu_forward import GpuWeights, decode_gemms, deterministic_gemms
+    from blink_appliance.transport.ring_layout import RingLayout, region_size
+
+    ckpt = checkpoint()
+    weights = GpuWeights.from_hf(ckpt.config, ckpt.weights, torch.float32, "cpu")
+    ring = torch.zeros(region_size(RING), dtype=torch.uint8)
+    for deterministic, plan in ((False, decode_gemms), (True, deterministic_gemms)):
+        step = LoopStep.build(
+            ckpt.config, weights, ring, RingLayout.of(RING), GEOMETRY, "cpu", torch.float32,
+            deterministic=deterministic,
+        )  # fmt: skip
+        assert step.forward_runner.gemm_plan is plan
+        assert step.forward_runner._gemms(8).accumulates != deterministic

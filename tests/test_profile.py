@@ -244,6 +244,8 @@ def test_loop_capacities_default_from_the_model_and_front_end():
         ({"engine": {"mode": "warp"}}, "engine.mode"),
         ({"engine": {"num_slots": 8}}, "engine.num_slots: only the GPU loop uses it"),
         ({"engine": {"buckets": [8, 512]}}, "engine.buckets: only the GPU loop uses it"),
+        ({"engine": {"deterministic": True}}, "engine.deterministic: only the GPU loop uses it"),
+        ({"engine": {"mode": "host", "deterministic": "sometimes"}}, "engine.deterministic"),
         ({"engine": {"mode": "host", "buckets": [32, 8, 512]}}, "engine.buckets: must be distinct positive"),
         ({"engine": {"mode": "host", "buckets": [0, 512]}}, "engine.buckets: must be distinct positive"),
         ({"engine": {"mode": "host", "buckets": []}}, "engine.buckets: must be distinct positive"),

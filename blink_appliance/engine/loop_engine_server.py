@@ -406,7 +406,7 @@ def build_loop_server(
         weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
         step = LoopStep.build(
             config, weights, ring_bytes, RingLayout.of(ring), geometry, device, dtype,
-            engine_seed=secrets.randbits(63),
+            engine_seed=secrets.randbits(63), deterministic=bool(profile.engine.deterministic),
         )  # fmt: skip
         # Compile now, not in the first request's step; and capture only records work, so the
         # loop's graph needs everything compiled and warm before it is built.

@@ -26,7 +26,13 @@ from blink_appliance.engine.device_sampler import DeviceSampler
 from blink_appliance.engine.device_scheduler import DeviceScheduler
 from blink_appliance.engine.device_state import DeviceState, LoopGeometry
 from blink_appliance.model.config import ModelConfig
-from blink_appliance.model.gpu_forward import GpuForward, GpuWeights, StepInputs
+from blink_appliance.model.gpu_forward import (
+    GpuForward,
+    GpuWeights,
+    StepInputs,
+    decode_gemms,
+    deterministic_gemms,
+)
 from blink_appliance.model.kv_cache import PagedKVCache
 from blink_appliance.transport.ring_layout import RingLayout
 
@@ -82,10 +88,12 @@ class LoopStep:
         *,
         engine_seed: int = 0,
         capture_graphs: bool | None = None,
+        deterministic: bool = False,
     ) -> LoopStep:
         """Everything from a model config + weights (GpuWeights.from_hf) and the ring region (a uint8
         tensor over the whole region on `device`). `capture_graphs` (default: on CUDA) captures one
-        forward graph per bucket; `engine_seed` derives the seeds of requests that bring none."""
+        forward graph per bucket; `engine_seed` derives the seeds of requests that bring none;
+        `deterministic` takes the forward's GEMM plan without atomics (`deterministic_gemms`)."""
         device = torch.device(device)
         if geometry.vocab_size != config.vocab_size:
             raise ValueError(f"loop vocab_size {geometry.vocab_size} != model vocab_size {config.vocab_size}")
@@ -105,6 +113,7 @@ class LoopStep:
         forward = GpuForward(
             config, weights, kv, max_tokens=geometry.max_num_batched_tokens, max_seqs=geometry.max_num_seqs,
             max_blocks_per_seq=geometry.max_blocks_per_seq, max_context_len=geometry.max_model_len,
+            gemm_plan=deterministic_gemms if deterministic else decode_gemms,
         )  # fmt: skip
         graphs = None
         if capture_graphs is None:

@@ -7,10 +7,12 @@ replayed by the device-resident loop, which writes the inputs and reads `logits`
 
 Per layer: add+RMSNorm (Triton) -> fused QKV GEMM (+bias) -> RoPE + KV-cache write (Triton) ->
 paged attention (Triton) -> O GEMM -> add+RMSNorm -> fused gate+up GEMM -> SiLU*up (Triton) -> down
-GEMM. GEMMs run through cuBLAS, except in decode-sized buckets (<= 128 tokens by default), where QKV
-(its split-K partials summed by RoPE), gate+up and down run through the swap-AB Triton GEMM, and O up
-to 64 tokens (`decode_gemms`); SiLU*up moves into the down GEMM's prologue up to 16 tokens and into
-the gate+up GEMM's epilogue at 65-128.
+GEMM. The first layer's norm gathers the token embeddings itself. GEMMs run through cuBLAS, except in
+decode-sized buckets (<= 128 tokens by default), where all four run through the swap-AB Triton GEMM
+(`decode_gemms`): QKV's split-K partials are summed by RoPE, and O and down add their products into
+the fp32 residual stream themselves (atomics; `deterministic_gemms` writes partials instead, summed
+by the next norm); SiLU*up moves into the down GEMM's prologue up to 16 tokens and into the gate+up
+GEMM's epilogue at 65-128.
 The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
 
@@ -146,6 +148,19 @@ def decode_gemms(num_tokens: int) -> DecodeGemms:
         down=GemmLaunch(split_k=4, block_k=128, num_warps=8, accumulate=True),
         silu_in_gate_up=num_tokens > 64,
     )
+
+
+def deterministic_gemms(num_tokens: int) -> DecodeGemms:
+    """`decode_gemms` without atomics: O and down write split-K partials that the next norm sums in a
+    fixed order (fp32 up to 16 tokens, the weights' dtype above; O on cuBLAS at 65-128 tokens, where
+    its partials cost more than cuBLAS), so the same step gives the same bits every run. 1B on the
+    H100: T=8 1.127 -> 1.182 ms, T=128 1.652 -> 1.706 (bench/results/2026-11-23-h100-forward-accumulate.md)."""
+    g = decode_gemms(num_tokens)
+    if not g.accumulates:
+        return g
+    small = num_tokens <= 16
+    o = replace(g.o, accumulate=False, fp32_partials=small) if num_tokens <= 64 else None
+    return replace(g, o=o, down=replace(g.down, accumulate=False, fp32_partials=small))
 
 
 def in_major(matrix: torch.Tensor) -> torch.Tensor:
@@ -480,10 +495,10 @@ class GpuForward:
         else:
             mlp_out = mlp_sum = self._split_out(self._down_parts, g.down, T, H) if down_parts > 1 else proj
 
-        torch.index_select(w.embed, 0, inp.input_ids[:T], out=proj)
+        ids = inp.input_ids[:T]
         for i, layer in enumerate(w.layers):
-            if i == 0:
-                add_rmsnorm(proj, layer.input_norm, x, eps, residual=h, residual_in=False)
+            if i == 0:  # the stream starts as the token embeddings, gathered by the norm itself
+                add_rmsnorm(w.embed, layer.input_norm, x, eps, residual=h, residual_in=False, x_rows=ids)
             else:
                 add_rmsnorm(mlp_sum, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
             qkv_parts = bias = None
