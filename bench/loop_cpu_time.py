@@ -70,6 +70,7 @@ def profile_text(args: argparse.Namespace, mode: str, shm_name: str) -> str:
         kv_budget_gib = {args.kv_gib}
         [engine]
         mode = "{mode}"
+        deterministic = {str(args.deterministic).lower()}
         [frontend]
         max_inflight = {max(2 * max_seqs, 16)}
         """
@@ -145,15 +146,30 @@ async def generate(
     ids = [client.submit(rng.integers(10, id_limit, PROMPT_LEN).tolist(), params) for _ in range(batch)]
 
     async def stamps(rid: int) -> list[int]:
-        out = []
+        out, token_ids = [], []
         async for event in client.stream(rid):
             if event.token_id is not None:
                 out.append(event.timestamp_ns)
+                token_ids.append(event.token_id)
             if event.finished and event.error:
                 raise RuntimeError(f"request {rid} failed: {event.error}")
+        check_stamps(rid, out, token_ids, tokens)
         return out
 
     return list(await asyncio.gather(*(stamps(rid) for rid in ids)))
+
+
+def check_stamps(rid: int, stamps: list[int], token_ids: list[int], expected: int) -> None:
+    """Every token of an ignore_eos request arrives, stamped, in time order: a zero or backwards stamp
+    means the client read an output slot the engine had not written yet (seen intermittently at batch
+    64 on 2026-11-23: a 157 s "gap", the host's uptime, from a stamp read as 0)."""
+    bad = [i for i, s in enumerate(stamps) if s == 0 or (i and s < stamps[i - 1])]
+    if len(stamps) != expected or bad:
+        shown = [(i, stamps[i], token_ids[i]) for i in bad[:8]]
+        raise RuntimeError(
+            f"request {rid}: {len(stamps)} of {expected} tokens, {len(bad)} zero or backwards stamps "
+            f"(index, stamp ns, token id): {shown}"
+        )
 
 
 def steady_window(per_request: list[list[int]], skip: int) -> tuple[int, int, int]:
@@ -260,6 +276,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-gib", type=float, default=4.0)
     parser.add_argument("--idle-s", type=float, default=2.0)
+    parser.add_argument("--deterministic", action="store_true", help="engine.deterministic = true")
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=None, help="folder for loop_cpu_time.json / .md")
     args = parser.parse_args()

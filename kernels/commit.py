@@ -8,7 +8,8 @@ publication protocol is docs/protocol.md ("Publication order", GPU paragraph).
    index i = num_tokens[s] - prompt_len[s]; token_ids[s, num_tokens[s]] = t; num_tokens[s] += 1;
    ring tokens[chan, i] = t, times[chan, i] = now. Stop rules in the reference engine's order (EOS
    unless ignore_eos, stop ids -> STOP; max_tokens, max_model_len -> LENGTH). Publication: payload
-   (tokens, times; the status record of a finishing row), a barrier, then `count` (i + 1, | FINAL_BIT
+   (tokens, times; the status record of a finishing row), a system-scope fence by every thread, a
+   barrier, then `count` (i + 1, | FINAL_BIT
    when finishing) with a system-scope release store, a barrier, then `done` = generation the
    same way for a finishing row. A row whose output index is past the channel's capacity publishes
    no token and finishes LENGTH (the ring server's rule; admission keeps max_tokens within it).
@@ -22,8 +23,11 @@ publication protocol is docs/protocol.md ("Publication order", GPU paragraph).
    iteration ran a forward (step_num_tokens > 0): last_step_ns = now - step_start_ns (schedule's
    stamp) and one more step in its step_time_hist bucket (ring_layout.STEP_TIME_BOUNDS_US).
 
-Barriers order the program's own threads (a release by one thread after a CTA barrier covers the
-other threads' earlier stores: PTX release is cumulative). The clock is %globaltimer plus
+Barriers order the program's own threads, but a release store by one warp after a CTA barrier did
+not keep another warp's earlier stores to host memory from arriving after it (H100, 2026-11-23: at
+64 sequences the front end read a channel's count before that step's token and stamp, so it delivered
+zeros). So every thread fences its own ring stores at system scope (`fence.acq_rel.sys`) before the
+barrier that precedes a publication. The clock is %globaltimer plus
 clock_offset_ns on the GPU; under the interpreter (no inline asm) it is host_clock_ns[0], the host
 monotonic clock the wrapper stores just before the launch.
 """
@@ -73,6 +77,18 @@ def _store_release(ptr, value, mask, ON_GPU: tl.constexpr):
         )
     else:
         tl.store(ptr, value.to(tl.int64), mask=mask)
+
+
+@triton.jit
+def _fence_sys(ON_GPU: tl.constexpr):
+    """Every thread: its earlier stores to the ring are visible to the host before its later ones.
+    Needed before the barrier that precedes a publication: a warp's release store does not order
+    another warp's stores to host memory (seen on the H100: a channel's count became visible before
+    the tokens and stamps another warp wrote, and the client read zeros)."""
+    if ON_GPU:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -168,11 +184,13 @@ def _commit_kernel(
     tl.store(ring32_ptr + stat32 + 2, reason, mask=finished)
     tl.store(ring32_ptr + stat32 + 3, tl.zeros_like(reason), mask=finished)
     tl.store(ring32_ptr + stat32 + 4, room.to(tl.int32), mask=finished)
+    _fence_sys(ON_GPU)
     tl.debug_barrier()
     prog = prog_at // 8 + chan * (PROGRESS_BYTES // 8)
     count = tl.where(room, i + 1, i).to(tl.int64)
     count = tl.where(finished, count | final_bit, count)
     _store_release(ring64_ptr + prog, count, row, ON_GPU)
+    _fence_sys(ON_GPU)
     tl.debug_barrier()
     generation = tl.load(generation_ptr + s, mask=finished, other=0)
     _store_release(ring64_ptr + prog + 1, generation, finished, ON_GPU)
@@ -201,8 +219,10 @@ def _commit_kernel(
     tl.store(ring32_ptr + stat32 + 4, tl.zeros_like(why), mask=publish)
     prog = prog_at // 8 + c * (PROGRESS_BYTES // 8)
     held = tl.load(ring64_ptr + prog, mask=publish, other=0, volatile=True)
+    _fence_sys(ON_GPU)
     tl.debug_barrier()
     _store_release(ring64_ptr + prog, held | final_bit, publish, ON_GPU)
+    _fence_sys(ON_GPU)
     tl.debug_barrier()
     generation = tl.load(generation_ptr + d, mask=publish, other=0)
     _store_release(ring64_ptr + prog + 1, generation, publish, ON_GPU)

@@ -343,6 +343,11 @@ async def test_sixty_four_requests_keep_the_bookkeeping_consistent_every_step(ta
         assert peak == 64 * 3  # 16 prompt + 24 generated tokens: 3 blocks each, all held at once
     assert [len(s) for s in streams.values()] == [24] * 64
     assert all(sum(e.finished for e in s) == 1 for s in streams.values())
+    # Every token was read after the engine wrote it: stamped, in time order (an output slot read
+    # before its write shows as token 0 stamped 0).
+    for s in streams.values():
+        stamps = [e.timestamp_ns for e in s if e.token_id is not None]
+        assert all(stamps) and stamps == sorted(stamps), stamps
     counters = state.counters.tolist()
     assert counters[COUNTER_INDEX["generated_tokens"]] == 64 * 24
     assert counters[COUNTER_INDEX["requests_admitted"]] == counters[COUNTER_INDEX["requests_finished"]] == 64
