@@ -31,8 +31,9 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
 - attn128.<field>=<int> (an AttentionConfig field): the attention launch shape at 33-128 tokens.
 (The levers this file had at commit 98cc562, gu128 / qkv128 / bfp / attn1w / down8 / lmt / qkv4 /
 gubk128 / gu4w / attn16k, built today's `decode_gemms` and `attention_config` from the older ones;
-bench/results/2026-11-23-h100-forward-gated-gemm.md. o128, oacc, dacc, dacc8, o2x, d2x, obk and
-qkv32 are in 2026-11-23-h100-forward-accumulate.md.)
+bench/results/2026-11-23-h100-forward-gated-gemm.md, where o128 is too; oacc, dacc, dacc8, o2x, d2x,
+obk, qkv32 and tma, measured on the way to today's plan and then removed, are described in
+2026-11-23-h100-forward-accumulate.md.)
 "base" is none of them. Each variant's logits are compared with the first variant's on the same step
 (they must agree to bf16 rounding).
 """
