@@ -23,11 +23,12 @@ publication protocol is docs/protocol.md ("Publication order", GPU paragraph).
    iteration ran a forward (step_num_tokens > 0): last_step_ns = now - step_start_ns (schedule's
    stamp) and one more step in its step_time_hist bucket (ring_layout.STEP_TIME_BOUNDS_US).
 
-Barriers order the program's own threads, but a release store by one warp after a CTA barrier did
-not keep another warp's earlier stores to host memory from arriving after it (H100, 2026-11-23: at
-64 sequences the front end read a channel's count before that step's token and stamp, so it delivered
-zeros). So every thread fences its own ring stores at system scope (`fence.acq_rel.sys`) before the
-barrier that precedes a publication. The clock is %globaltimer plus
+Barriers order the program's own threads. On the H100 (2026-11-23, 64 sequences) the front end read
+a channel's count before that step's token and stamp and delivered zeros; the likely cause is that a
+release store by one warp after a CTA barrier does not keep another warp's earlier stores to host
+memory from arriving after it. So every thread fences its own ring stores at system scope
+(`fence.acq_rel.sys`) before the barrier that precedes a publication (not yet run on the GPU:
+bench/results/2026-11-23-h100-loop-output-holes.md). The clock is %globaltimer plus
 clock_offset_ns on the GPU; under the interpreter (no inline asm) it is host_clock_ns[0], the host
 monotonic clock the wrapper stores just before the launch.
 """
@@ -82,9 +83,9 @@ def _store_release(ptr, value, mask, ON_GPU: tl.constexpr):
 @triton.jit
 def _fence_sys(ON_GPU: tl.constexpr):
     """Every thread: its earlier stores to the ring are visible to the host before its later ones.
-    Needed before the barrier that precedes a publication: a warp's release store does not order
-    another warp's stores to host memory (seen on the H100: a channel's count became visible before
-    the tokens and stamps another warp wrote, and the client read zeros)."""
+    Run before the barrier that precedes a publication: a warp's release store is not relied on to
+    order another warp's stores to host memory (on the H100 a channel's count became visible before
+    its token and stamp, and the client read zeros; this is the likely cause)."""
     if ON_GPU:
         tl.inline_asm_elementwise(
             "fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1

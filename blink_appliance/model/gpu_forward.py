@@ -461,6 +461,18 @@ class GpuForward:
         n = launch.split_k * T * width
         return scratch[:n].view(launch.split_k, T, width)
 
+    def _residual_add(
+        self, launch: GemmLaunch | None, scratch: torch.Tensor | None, h: torch.Tensor, proj: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For O or down (whose product the next norm adds to the stream h): where the GEMM writes, and
+        what that norm adds. Accumulating, the GEMM adds into h itself and the norm adds nothing;
+        split, its partials; else its one output in `proj`."""
+        if launch is not None and launch.accumulate:
+            return h, None
+        T, H = h.shape
+        out = self._split_out(scratch, launch, T, H) if launch is not None and launch.split_k > 1 else proj
+        return out, out
+
     def num_sample_rows(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_seqs)
 
@@ -479,21 +491,11 @@ class GpuForward:
         proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
         ac = self.attention_plan(T)
-
-        H = c.hidden_size
         g = self._gemms(T)
         o_parts = g.o.split_k if g.o else 1
         down_parts = g.down.split_k if g.down else 1
-        # Where O and down write, and what the norm after each adds to the stream: their partials (or
-        # output), or, when the GEMM added its product into the stream itself, the stream and nothing.
-        if g.o and g.o.accumulate:
-            o_out, o_sum = h, None
-        else:
-            o_out = o_sum = self._split_out(self._o_parts, g.o, T, H) if o_parts > 1 else proj
-        if g.down and g.down.accumulate:
-            mlp_out, mlp_sum = h, None
-        else:
-            mlp_out = mlp_sum = self._split_out(self._down_parts, g.down, T, H) if down_parts > 1 else proj
+        o_out, o_sum = self._residual_add(g.o, self._o_parts, h, proj)
+        mlp_out, mlp_sum = self._residual_add(g.down, self._down_parts, h, proj)
 
         ids = inp.input_ids[:T]
         for i, layer in enumerate(w.layers):
