@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +96,43 @@ def test_region_create_and_attach_checks_geometry():
         other = RingGeometry(**{**SMALL.__dict__, "max_output_tokens": 32})
         with pytest.raises(ValueError, match="max_output_tokens"):
             RingRegion.attach(transport, other)
+    finally:
+        transport.close()
+
+
+def test_telemetry_reader_waits_for_a_writer_descheduled_mid_write():
+    # On a 2-core host the engine can be preempted between its two seqlock stores; the reader must
+    # yield until the writer finishes, not give up after a burst of spins (a CI failure, stop 14).
+    transport = ShmTransport.create(unique_name(), region_size(SMALL))
+    try:
+        region = RingRegion.create(transport, SMALL)
+        region.write_telemetry({"generated_tokens": 1})
+        seq = region.load("telemetry_seq")
+        region.store("telemetry_seq", seq + 1)  # a write begun...
+        region.transport.write(RingLayout.control("t_generated_tokens"), (7).to_bytes(8, "little"))
+
+        def finish() -> None:
+            time.sleep(0.05)  # ...and finished 50 ms later
+            region.store("telemetry_seq", seq + 2)
+
+        writer = threading.Thread(target=finish)
+        writer.start()
+        assert region.read_telemetry()["generated_tokens"] == 7
+        writer.join()
+    finally:
+        transport.close()
+
+
+def test_telemetry_left_mid_write_by_a_dead_writer_times_out_and_the_next_write_recovers():
+    transport = ShmTransport.create(unique_name(), region_size(SMALL))
+    try:
+        region = RingRegion.create(transport, SMALL)
+        region.store("telemetry_seq", 5)  # odd: the writer died between its two stores
+        with pytest.raises(TimeoutError, match="still being written after 0.05 s"):
+            region.read_telemetry(timeout_s=0.05)
+        region.write_telemetry({"generated_tokens": 3})  # a restarted engine's first write
+        assert region.load("telemetry_seq") % 2 == 0
+        assert region.read_telemetry(timeout_s=0.05)["generated_tokens"] == 3
     finally:
         transport.close()
 

@@ -3,6 +3,8 @@ into reads and writes. Both ends build on it; neither touches raw offsets."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from blink_appliance.transport.ring_layout import (
@@ -150,19 +152,29 @@ class RingRegion:
 
     # -- telemetry (seqlock: odd while the engine writes) ------------------------------------------
     def write_telemetry(self, values: dict[str, int]) -> None:
-        seq = self.load("telemetry_seq")
+        # Start from an even word: a writer that died mid-write (a recovered engine) left it odd,
+        # and counting on from there would mark every later block as "being written".
+        seq = (self.load("telemetry_seq") + 1) & ~1
         self.store("telemetry_seq", seq + 1)
         block = np.array([int(values.get(name, 0)) for name in TELEMETRY_FIELDS], dtype="<u8")
         self.transport.write(RingLayout.control("t_" + TELEMETRY_FIELDS[0]), block)
         self.store("telemetry_seq", seq + 2)
 
-    def read_telemetry(self, attempts: int = 100) -> dict[str, int]:
+    def read_telemetry(self, timeout_s: float = 1.0) -> dict[str, int]:
+        """One consistent telemetry block. A retry sleeps (0, then up to 1 ms) rather than spins:
+        on a small host the writer can be descheduled mid-write, and only yielding lets it finish."""
         start = RingLayout.control("t_" + TELEMETRY_FIELDS[0])
-        for _ in range(attempts):
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        while True:
             before = self.load("telemetry_seq")
-            if before & 1:
-                continue
-            block = np.frombuffer(self.transport.read(start, 8 * len(TELEMETRY_FIELDS)), dtype="<u8")
-            if self.load("telemetry_seq") == before:
-                return {name: int(v) for name, v in zip(TELEMETRY_FIELDS, block, strict=True)}
-        raise TimeoutError("telemetry block kept changing while being read")
+            if not before & 1:
+                block = np.frombuffer(self.transport.read(start, 8 * len(TELEMETRY_FIELDS)), dtype="<u8")
+                if self.load("telemetry_seq") == before:
+                    return {name: int(v) for name, v in zip(TELEMETRY_FIELDS, block, strict=True)}
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"telemetry block still being written after {timeout_s:g} s (sequence word {before})"
+                )
+            time.sleep(pause)
+            pause = min(max(2 * pause, 1e-5), 1e-3)
