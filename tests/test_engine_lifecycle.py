@@ -9,6 +9,7 @@ import time
 from blink_appliance.engine.request import FinishReason
 from blink_appliance.transport.engine_lifecycle import (
     ENGINE_SHUTDOWN_REQUEST,
+    FrontendWatch,
     Heartbeat,
     begin_epoch,
     drain_ring,
@@ -125,3 +126,22 @@ def test_heartbeat_advances_until_stopped():
         last = r.load("engine_heartbeat_ns")
         time.sleep(0.05)
         assert r.load("engine_heartbeat_ns") == last
+
+
+def test_frontend_watch_reports_a_still_word_once_a_timeout_and_a_moving_one_never():
+    with shm_region() as transport:
+        region = _region(transport)
+        region.store("frontend_heartbeat_ns", 5)
+        watch = FrontendWatch(region, timeout_s=0.2)
+        watch.restart()
+        assert not watch.lost()  # a whole timeout from restart()
+        for beat in range(6, 10):  # a front end that keeps beating is never lost, however slowly
+            time.sleep(0.1)
+            region.store("frontend_heartbeat_ns", beat)
+            assert not watch.lost()
+        time.sleep(0.25)
+        assert watch.lost()
+        assert not watch.lost()  # reported once, then counted again from the report
+        time.sleep(0.25)
+        assert watch.lost()
+

@@ -36,6 +36,7 @@ import torch
 from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState
 from blink_appliance.engine.request import FinishReason
 from blink_appliance.transport.engine_lifecycle import (
+    FrontendWatch,
     Heartbeat,
     begin_epoch,
     drain_ring,
@@ -158,15 +159,13 @@ class LoopEngineServer:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.telemetry_interval_ns = int(telemetry_interval_s * 1e9)
         self.idle_sleep_s = idle_sleep_s
-        self.frontend_timeout_ns = int(frontend_timeout_s * 1e9)
+        self._frontend = FrontendWatch(region, frontend_timeout_s)
         self.stop_timeout_s = stop_timeout_s
         self.snapshot = LoopSnapshot(state)
         self.report = StopReport()
         self._owned = list(owned)  # closed by close(), last first (e.g. the mapped ring after the loop)
         self.step: object | None = None  # the LoopStep, when built here: kept alive with the server
         self._telemetry_at = 0
-        self._fe_heartbeat = 0
-        self._fe_heartbeat_seen_ns = 0
 
     # -- the whole run ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -224,8 +223,7 @@ class LoopEngineServer:
         if self.clock_offset_ns is not None:
             # Commit stamps tokens with the device clock plus this offset: host CLOCK_MONOTONIC ns.
             self.state.clock_offset_ns.fill_(self.clock_offset_ns())
-        self._fe_heartbeat = r.load("frontend_heartbeat_ns")
-        self._fe_heartbeat_seen_ns = time.monotonic_ns()
+        self._frontend.restart()
         r.store("engine_heartbeat_ns", time.monotonic_ns())
         self._write_telemetry()
 
@@ -318,15 +316,9 @@ class LoopEngineServer:
     def _reclaim_if_frontend_lost(self) -> None:
         """The front end's heartbeat went stale while requests are open: cancel them all through
         their cancel words (the loop honours those like a client cancel) so their slots come free."""
+        if not self._frontend.lost():
+            return
         r = self.region
-        now = time.monotonic_ns()
-        beat = r.load("frontend_heartbeat_ns")
-        if beat != self._fe_heartbeat:
-            self._fe_heartbeat, self._fe_heartbeat_seen_ns = beat, now
-            return
-        if now - self._fe_heartbeat_seen_ns <= self.frontend_timeout_ns:
-            return
-        self._fe_heartbeat_seen_ns = now
         ctl, prog = r.ctl_table(), r.progress_table()
         open_slots = (ctl["generation"] != prog["done"]) & (ctl["cancel"] != ctl["generation"])
         slots = [int(s) for s in open_slots.nonzero()[0]]

@@ -159,3 +159,31 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.beat()
+
+
+class FrontendWatch:
+    """The front end's heartbeat word seen through our own clock: lost once the word has not
+    changed for `timeout_s` (the clocks of the two processes are never compared)."""
+
+    def __init__(self, region: RingRegion, timeout_s: float) -> None:
+        self.region = region
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._beat = 0
+        self._seen_ns = 0
+
+    def restart(self) -> None:
+        """Count from now, so a new epoch gives the front end a whole timeout."""
+        self._beat, self._seen_ns = self.region.load("frontend_heartbeat_ns"), time.monotonic_ns()
+
+    def lost(self) -> bool:
+        """True at most once a timeout while the word stands still: the caller reclaims, and a
+        front end that still has not come back is reported again one timeout later."""
+        now = time.monotonic_ns()
+        beat = self.region.load("frontend_heartbeat_ns")
+        if beat != self._beat:
+            self._beat, self._seen_ns = beat, now
+            return False
+        if now - self._seen_ns <= self.timeout_ns:
+            return False
+        self._seen_ns = now
+        return True

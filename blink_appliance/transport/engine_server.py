@@ -19,6 +19,7 @@ import numpy as np
 
 from blink_appliance.engine.request import FinishReason, Request, SamplingParams, TokenEvent
 from blink_appliance.transport.engine_lifecycle import (
+    FrontendWatch,
     Heartbeat,
     begin_epoch,
     drain_ring,
@@ -97,7 +98,7 @@ class EngineServer:
         self.idle_spin = idle_spin
         self.idle_sleep_s = idle_sleep_s
         self.admit_per_iteration = admit_per_iteration
-        self.frontend_timeout_ns = int(frontend_timeout_s * 1e9)
+        self._frontend = FrontendWatch(self.region, frontend_timeout_s)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.telemetry_interval_ns = int(telemetry_interval_s * 1e9)
         self._live: dict[int, _Live] = {}  # request id -> channel
@@ -118,8 +119,6 @@ class EngineServer:
         )
         self._tail = 0
         self._arena_tail = 0
-        self._fe_heartbeat = 0
-        self._fe_heartbeat_seen_ns = 0
         self._telemetry_at = 0
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -174,8 +173,7 @@ class EngineServer:
         self._arena_tail = r.load("arena_tail")
         # Requests still in the ring will be served; channels open without one lost their engine.
         finish_open_channels(r, FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED, "engine restarted")
-        self._fe_heartbeat = r.load("frontend_heartbeat_ns")
-        self._fe_heartbeat_seen_ns = time.monotonic_ns()
+        self._frontend.restart()
         r.store("engine_heartbeat_ns", time.monotonic_ns())
         self._write_telemetry()
         r.store("engine_state", EngineState.RUNNING)
@@ -306,16 +304,10 @@ class EngineServer:
             self._finish(request_id, FinishReason.ABORT, ErrorCode.NONE, "")
 
     def _reclaim_if_frontend_lost(self) -> None:
-        now = time.monotonic_ns()
-        beat = self.region.load("frontend_heartbeat_ns")
-        if beat != self._fe_heartbeat:
-            self._fe_heartbeat, self._fe_heartbeat_seen_ns = beat, now
-            return
-        if now - self._fe_heartbeat_seen_ns > self.frontend_timeout_ns:
+        if self._frontend.lost():
             log.warning("front end heartbeat stale; reclaiming %d requests", len(self._live))
             self._terminate_all(FinishReason.ABORT, ErrorCode.FRONTEND_LOST, "front end lost")
             self._drain_ring(FinishReason.ABORT, ErrorCode.FRONTEND_LOST, "front end lost")
-            self._fe_heartbeat_seen_ns = now
 
     def _terminate_all(self, reason: FinishReason, code: ErrorCode, detail: str) -> None:
         for request_id in list(self._live):
