@@ -16,3 +16,4 @@ test: setup
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .

@@ -67,14 +67,16 @@ def time_bucket(T: int, bw: float) -> dict:
 
     def launches(splits, block_n, warps, stages, pdl=True):
         partials = split_partials(splits, T, c.num_heads, c.head_dim, "cuda") if splits > 1 else None
+        # fmt: off
         return [
             lambda k=k, v=v: paged_attention(
                 q, k, v, out, qs, ctx, tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5,
                 block_q=base.block_q, block_n=block_n, num_splits=splits, partials=partials,
                 num_warps=warps, num_stages=stages, pdl=pdl,
-            )  # fmt: skip
+            )
             for k, v in caches
         ]
+        # fmt: on
 
     base_cfg = (base.splits, base.block_n, base.num_warps, base.num_stages)
     launches(*base_cfg)[0]()

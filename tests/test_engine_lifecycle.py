@@ -144,4 +144,3 @@ def test_frontend_watch_reports_a_still_word_once_a_timeout_and_a_moving_one_nev
         assert not watch.lost()  # reported once, then counted again from the report
         time.sleep(0.25)
         assert watch.lost()
-

@@ -19,27 +19,48 @@ from tests.model_helpers import PagedSequences  # noqa: E402
 
 TOL = 1e-4
 COMMON = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
 )
 
 
 def _llama():
     cfg = transformers.LlamaConfig(
-        **COMMON, head_dim=16, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        **COMMON,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _qwen2():
-    cfg = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    cfg = transformers.Qwen2Config(
+        **COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+    )
     return transformers.Qwen2ForCausalLM(cfg)
 
 
 def _qwen3():
-    cfg = transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    cfg = transformers.Qwen3Config(
+        **COMMON,
+        head_dim=32,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     return transformers.Qwen3ForCausalLM(cfg)
 
 
@@ -83,7 +104,9 @@ def test_prefill_all_rows_then_decode_many_blocks(pair):
     ref = _hf_logits(hf, ids)
 
     block_size = 4
-    kv = PagedKVCache.allocate(config.num_layers, 64, block_size, config.num_kv_heads, config.head_dim, torch.float32)
+    kv = PagedKVCache.allocate(
+        config.num_layers, 64, block_size, config.num_kv_heads, config.head_dim, torch.float32
+    )
     seqs = PagedSequences(64, block_size, max_blocks_per_seq=16)
     prompt, rest = ids[:30], ids[30:]
     batch = seqs.batch([(0, prompt)])

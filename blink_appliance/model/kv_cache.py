@@ -40,7 +40,9 @@ class PagedKVCache:
         return self.k.shape[2]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 

@@ -96,7 +96,9 @@ def load_tokenizer(source: str) -> Tokenizer | None:
     return load_gguf_tokenizer(path)
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
+def build_model(
+    ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LlamaModel:
     from blink_appliance.model.llama import LlamaModel, rope_inv_freq
 
     with torch.device("meta"):

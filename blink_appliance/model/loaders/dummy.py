@@ -8,6 +8,7 @@ from blink_appliance.model.config import ModelConfig, RopeScaling
 
 _LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
+# fmt: off
 PRESETS: dict[str, ModelConfig] = {
     # Small enough for unit tests; GQA, untied head, several RoPE frequencies.
     "tiny": ModelConfig(
@@ -48,6 +49,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=40960, qk_norm=True, tie_word_embeddings=True, eos_token_ids=(151645,),
     ),
 }
+# fmt: on
 
 
 def preset_config(name: str) -> ModelConfig:
