@@ -70,7 +70,7 @@ def profile_text(args: argparse.Namespace, mode: str, shm_name: str) -> str:
         kv_budget_gib = {args.kv_gib}
         [engine]
         mode = "{mode}"
-        deterministic = {str(args.deterministic).lower()}
+        {"deterministic = true" if args.deterministic else ""}
         [frontend]
         max_inflight = {max(2 * max_seqs, 16)}
         """
@@ -162,7 +162,8 @@ async def generate(
 def check_stamps(rid: int, stamps: list[int], token_ids: list[int], expected: int) -> None:
     """Every token of an ignore_eos request arrives, stamped, in time order: a zero or backwards stamp
     means the client read an output slot the engine had not written yet (seen intermittently at batch
-    64 on 2026-11-23: a 157 s "gap", the host's uptime, from a stamp read as 0)."""
+    64 on 2026-11-23: a 157 s "gap", the host's uptime, from a stamp read as 0). The client now holds
+    back a token until its stamp is there and counts that in `payload_waits`, which the run reports."""
     bad = [i for i, s in enumerate(stamps) if s == 0 or (i and s < stamps[i - 1])]
     if len(stamps) != expected or bad:
         shown = [(i, stamps[i], token_ids[i]) for i in bad[:8]]
@@ -206,6 +207,7 @@ async def measure_mode(args: argparse.Namespace, mode: str) -> dict:
         await generate(client, 1, 8, seed=0, id_limit=id_limit)  # warm up the path once
         pid = proc.pid
         for batch in args.batches:
+            waits_before = client.payload_waits
             with CpuSampler(pid) as cpu:
                 per_request = await generate(client, batch, args.tokens, seed=batch, id_limit=id_limit)
             start, end, inside = steady_window(per_request, args.skip)
@@ -220,6 +222,8 @@ async def measure_mode(args: argparse.Namespace, mode: str) -> dict:
                 "tokens_per_s": inside / ((end - start) / 1e9),
                 "tpot_p50_ms": percentile(gaps, 50),
                 "tpot_p99_ms": percentile(gaps, 99),
+                # Counts seen ahead of their tokens (the client held those back): an ordering bug.
+                "payload_waits": client.payload_waits - waits_before,
             }
             print(f"[{mode}] batch {batch}: {result['batches'][batch]}", flush=True)
         with CpuSampler(pid) as cpu:
@@ -243,15 +247,17 @@ async def measure_mode(args: argparse.Namespace, mode: str) -> dict:
 
 def table(results: list[dict], batches: list[int]) -> str:
     lines = [
-        "| mode | batch | CPU s / 1000 tokens | engine CPU util | tokens/s | TPOT P50 (ms) | TPOT P99 (ms) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | batch | CPU s / 1000 tokens | engine CPU util | tokens/s | TPOT P50 (ms) | TPOT P99 (ms) "
+        "| payload waits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         for b in batches:
             m = r["batches"][b]
             lines.append(
                 f"| {r['mode']} | {b} | {m['cpu_s_per_1000_tokens']:.4f} | {m['cpu_util_in_window']:.1%} | "
-                f"{m['tokens_per_s']:.0f} | {m['tpot_p50_ms']:.3f} | {m['tpot_p99_ms']:.3f} |"
+                f"{m['tokens_per_s']:.0f} | {m['tpot_p50_ms']:.3f} | {m['tpot_p99_ms']:.3f} | "
+                f"{m['payload_waits']} |"
             )
     lines.append("")
     lines.append("| mode | idle CPU util | shutdown (s) | start (s) |")
@@ -298,6 +304,9 @@ def main() -> None:
             )
         )
         (args.out / "loop_cpu_time.md").write_text(header + "\n\n" + text + "\n")
+    waits = sum(m["payload_waits"] for r in results for m in r["batches"].values())
+    if waits:
+        sys.exit(f"FAILED: {waits} times a published count was seen before the tokens it covers")
 
 
 if __name__ == "__main__":

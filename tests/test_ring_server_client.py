@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from blink_appliance.engine.request import FinishReason, SamplingParams
 from blink_appliance.transport.engine_client import EngineBusyError, EngineClient, EngineDeadError
+from blink_appliance.transport.engine_lifecycle import Heartbeat
 from blink_appliance.transport.region import RingRegion
 from blink_appliance.transport.ring_layout import FINAL_BIT, EngineState, ErrorCode, RingGeometry, RingLayout
 from tests.test_ring_support import (
@@ -424,3 +425,78 @@ def test_random_record_bytes_never_stop_the_engine(serving_region, payload, addr
         if not claimed:
             assert server._counters["records_unaddressable"] == before + 1
     check_still_serving(producer)
+
+
+# -- a count seen before the payload it covers ------------------------------------------------------
+# The test plays a weakly ordered engine by hand: it publishes words before the tokens, stamps and
+# status they cover (what the H100 loop did once, bench/results/2026-11-23-h100-loop-output-holes.md).
+
+
+@contextlib.asynccontextmanager
+async def hand_engine_client(**options):
+    with shm_region() as transport:
+        region = RingRegion.attach(transport, SMALL)
+        region.store("engine_state", EngineState.RUNNING)
+        heartbeat = Heartbeat(region, interval_s=0.01)
+        heartbeat.start()
+        try:
+            async with client_for(transport, dead_after_s=60.0, **options) as client:
+                yield client, region
+        finally:
+            heartbeat.stop()
+
+
+def drained(client: EngineClient, request_id: int) -> list:
+    queue = client._by_id[request_id].queue
+    return [queue.get_nowait() for _ in range(queue.qsize())]
+
+
+async def test_tokens_published_before_their_payload_arrives_are_delivered_only_once_it_has():
+    async with hand_engine_client() as (client, region):
+        rid = client.submit([5, 6], dataclasses.replace(GREEDY, max_tokens=4))
+        slot, generation = client._by_id[rid].slot, client._by_id[rid].generation
+
+        async def poll() -> list:
+            await asyncio.sleep(0.03)  # several pump passes
+            return [(e.token_id, e.finish_reason, e.timestamp_ns) for e in drained(client, rid)]
+
+        region.store_progress(slot, "count", 2)  # count first: neither token nor stamp yet
+        assert await poll() == []
+        region.write_output_token(slot, 0, 70, 1000)
+        assert await poll() == [(70, None, 1000)]  # the first has arrived, the second not
+        region.write_output_token(slot, 1, 71, 1001)
+        assert await poll() == [(71, None, 1001)]
+        # Finish: final count and done before token 3 (the terminal's) and the status have arrived.
+        region.write_output_token(slot, 2, 72, 1002)
+        region.store_progress(slot, "count", 4 | FINAL_BIT)
+        region.store_progress(slot, "done", generation)
+        assert await poll() == [(72, None, 1002)]
+        assert slot not in client._free  # held until everything it published was read
+        region.write_output_token(slot, 3, 73, 1003)
+        assert await poll() == []  # the status (finish_ns 0) is not there yet
+        region.write_status(slot, finish_ns=1004, finish_code=2, error_code=0, terminal_token=True, detail="")
+        assert await poll() == [(73, FinishReason.LENGTH, 1003)]
+        assert slot in client._free
+        assert client.payload_waits == 2 and client.telemetry()["payload_waits"] == 2  # two waits began
+
+
+async def test_a_claimed_channel_starts_with_its_stamps_cleared():
+    async with hand_engine_client() as (client, region):
+        for slot in range(SMALL.max_inflight):  # a previous request's stamps everywhere
+            for i in range(6):
+                region.write_output_token(slot, i, 9, 555)
+        rid = client.submit([5], dataclasses.replace(GREEDY, max_tokens=5))
+        slot = client._by_id[rid].slot
+        _, times = region.read_output(slot, 0, 6)
+        assert times.tolist() == [0, 0, 0, 0, 0, 555]  # max_tokens of them: all the engine may write
+
+
+async def test_a_payload_that_never_arrives_ends_the_stream_with_an_error_and_cancels_it():
+    async with hand_engine_client(payload_timeout_s=0.1) as (client, region):
+        rid = client.submit([5], GREEDY)
+        slot, generation = client._by_id[rid].slot, client._by_id[rid].generation
+        region.store_progress(slot, "count", 1)
+        events = await asyncio.wait_for(collect(client, rid), 5)
+        assert [(e.token_id, e.finish_reason) for e in events] == [(None, FinishReason.ERROR)]
+        assert "published the stream's token 0 but it never arrived" in events[0].error
+        assert region.load_ctl(slot, "cancel") == generation

@@ -28,6 +28,8 @@ from blink_appliance.transport.ring_layout import (
 )
 from blink_appliance.transport.transport import Transport
 
+_NONE_I32, _NONE_U64 = np.zeros(0, dtype="<i4"), np.zeros(0, dtype="<u8")
+
 
 class EngineBusyError(Exception):
     """No room right now (request ring, token arena or in-flight slots full); retry later."""
@@ -44,6 +46,7 @@ class _Pending:
     generation: int
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     terminated: bool = False  # the stream already got its terminal event (maybe a local one)
+    payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
 
 
 class EngineClient:
@@ -54,6 +57,7 @@ class EngineClient:
         dead_after_s: float = 0.8,
         poll_interval_s: float = 0.0005,
         spin_s: float = 0.0005,
+        payload_timeout_s: float = 1.0,
     ) -> None:
         self.region = region
         self.geometry = region.geometry
@@ -61,6 +65,10 @@ class EngineClient:
         self.poll_interval_s = poll_interval_s
         # After activity, poll without sleeping this long: asyncio sleeps round up to 1 ms.
         self.spin_ns = int(spin_s * 1e9)
+        # A count may be seen before the token and stamp it covers have arrived (a weakly ordered
+        # writer; seen once on the H100): wait this long for them, then fail the stream.
+        self.payload_timeout_ns = int(payload_timeout_s * 1e9)
+        self.payload_waits = 0  # streams that had to wait so (telemetry: a non-zero is an ordering bug)
         self._active_ns = 0  # last submit or delivered event
         self._nap_future: asyncio.Future[None] | None = None
         n = self.geometry.max_inflight
@@ -164,6 +172,7 @@ class EngineClient:
         # The slot is ours (done == previous generation): reset it, then claim the new generation.
         r.store_progress(slot, "count", 0)
         r.clear_status(slot)
+        r.clear_stamps(slot, params.max_tokens)  # 0 marks a token not yet written (see _drain_slot)
         r.store_ctl(slot, "request_id", request_id)
         r.store_ctl(slot, "generation", generation)
         r.write_prompt(position, prompt.astype("<i4"))
@@ -264,6 +273,7 @@ class EngineClient:
             inflight_capacity=self.geometry.max_inflight,
             arena_used=self._arena_head - r.load("arena_tail"),
             arena_capacity=self.geometry.arena_tokens,
+            payload_waits=self.payload_waits,
         )
         return values
 
@@ -320,15 +330,21 @@ class EngineClient:
         pending = self._by_slot.get(slot)
         moved = False
         if pending is not None and not pending.terminated and (count > start or final):
+            tokens, times = r.read_output(slot, start, count) if count > start else (_NONE_I32, _NONE_U64)
             status = r.read_status(slot) if final else None
+            unwritten = np.flatnonzero(times == 0)
+            arrived = int(unwritten[0]) if unwritten.size else len(times)
+            if arrived < len(times) or (status is not None and status["finish_ns"] == 0):
+                # The publishing word arrived before the payload it covers (stamps and finish_ns are
+                # never 0 once written; claim zeroed them): deliver what is there, wait for the rest.
+                return self._wait_for_payload(pending, slot, start, tokens, times, arrived, final)
+            pending.payload_wait_since_ns = 0
             terminal_token = bool(final and status["terminal_token"] and count > start)
-            if count > start:
-                tokens, times = r.read_output(slot, start, count)
-                for i in range(len(tokens) - int(terminal_token)):
-                    event = TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
-                    pending.queue.put_nowait(event)
-                if terminal_token:
-                    self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
+            for i in range(len(tokens) - int(terminal_token)):
+                event = TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
+                pending.queue.put_nowait(event)
+            if terminal_token:
+                self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
             if final and not pending.terminated:
                 self._emit_terminal(pending, status, None, int(status["finish_ns"]))
             moved = True
@@ -339,6 +355,44 @@ class EngineClient:
             self._by_slot.pop(slot, None)  # the id stays known until its stream has ended
             moved = True
         return moved
+
+    def _wait_for_payload(
+        self,
+        pending: _Pending,
+        slot: int,
+        start: int,
+        tokens: np.ndarray,
+        times: np.ndarray,
+        arrived: int,
+        final: bool,
+    ) -> bool:
+        """Deliver the tokens whose stamps are there (not the last one of a final count: it may be the
+        terminal's); the slot stays tracked and the next poll reads the rest. A payload that never
+        arrives ends the stream with an error instead of a stream of zeros."""
+        now = time.monotonic_ns()
+        if not pending.payload_wait_since_ns:
+            pending.payload_wait_since_ns = now
+            self.payload_waits += 1
+        ready = max(0, min(arrived, len(tokens) - 1)) if final else arrived
+        for i in range(ready):
+            pending.queue.put_nowait(
+                TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
+            )
+        self._delivered[slot] = start + ready
+        if ready:
+            pending.payload_wait_since_ns = now  # progress: the timeout counts from here
+        elif now - pending.payload_wait_since_ns > self.payload_timeout_ns:
+            self._delivered[slot] = start + len(tokens)
+            self.region.store_ctl(slot, "cancel", pending.generation)  # the engine stops writing it
+            missing = f"token {start + arrived}" if arrived < len(tokens) else "finish status"
+            self._terminate_locally(
+                pending,
+                FinishReason.ERROR,
+                f"engine_failure: the engine published the stream's {missing} but it never arrived "
+                f"(waited {self.payload_timeout_ns / 1e9:g} s)",
+            )
+            return True
+        return ready > 0
 
     def _emit_terminal(self, pending: _Pending, status: np.void, token: int | None, stamp: int) -> None:
         reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)

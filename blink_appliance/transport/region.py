@@ -140,6 +140,11 @@ class RingRegion:
     def clear_status(self, slot: int) -> None:
         self.transport.write(self.layout.stat(slot), bytes(CHANNEL_STATUS.itemsize))
 
+    def clear_stamps(self, slot: int, n: int) -> None:
+        """Zero a channel's first `n` token stamps: an engine's stamp is never 0, so a reader can
+        tell a token that has arrived from one whose count was seen first."""
+        self.transport.write(self.layout.time(slot, 0), bytes(8 * n))
+
     def write_output_token(self, slot: int, index: int, token_id: int, time_ns: int) -> None:
         self.transport.write(self.layout.token(slot, index), int(token_id).to_bytes(4, "little", signed=True))
         self.transport.write(self.layout.time(slot, index), int(time_ns).to_bytes(8, "little"))
