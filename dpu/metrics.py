@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -38,7 +38,7 @@ class _EngineGauges(Collector):
         self._read = read
         self._alive = alive
 
-    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         alive = GaugeMetricFamily(
             "blink_engine_alive", "1 while the engine answers on the ring", labels=["model_name"]
         )
@@ -59,6 +59,15 @@ class _EngineGauges(Collector):
                 g = GaugeMetricFamily(name, doc, labels=["model_name"])
                 g.add_metric([self._model], float(value))
                 yield g
+        waits = raw.get("payload_waits")
+        if waits is not None:  # the ring client's count; any is an engine write-ordering bug
+            c = CounterMetricFamily(
+                "blink_ring_payload_waits",
+                "Times the front end saw a published token count before the tokens it covers",
+                labels=["model_name"],
+            )
+            c.add_metric([self._model], float(waits))
+            yield c
         counts = [raw.get(name) for name in STEP_TIME_FIELDS]
         if all(c is not None for c in counts):  # the engine's own step-time histogram (ring telemetry)
             h = HistogramMetricFamily(

@@ -208,6 +208,7 @@ async def test_health_models_and_metrics(live):
         "blink_kv_cache_usage_ratio",
         'blink_engine_alive{model_name="smollm2-135m-instruct"} 1.0',
         'blink_engine_step_seconds_bucket{le="3.2e-05",model_name="smollm2-135m-instruct"}',
+        'blink_ring_payload_waits_total{model_name="smollm2-135m-instruct"} 0.0',
     ):
         assert series in text, series
     # The engine's step-time histogram counts the steps of that completion (telemetry is periodic).
