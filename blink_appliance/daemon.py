@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blink_appliance.profile import Profile, ProfileError, ring_geometry
+from blink_appliance.stop_signals import set_on_signals
 
 if TYPE_CHECKING:
     from blink_appliance.transport.region import RingRegion
@@ -119,8 +120,7 @@ class ApplianceDaemon:
         from blink_appliance.transport.ring_layout import region_size
         from blink_appliance.transport.shm_transport import RegionInUseError, ShmTransport
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
+        set_on_signals(self._stop, (signal.SIGTERM, signal.SIGINT))
         ensure_model(self.profile.model.model_source)
         geometry = ring_geometry(self.profile)
         try:
@@ -215,7 +215,11 @@ class ApplianceDaemon:
         region.store("shutdown", 1)
         engine_code = self.engine.stop(15.0)
         say(f"stopped (front end exit {fe_code}, engine exit {engine_code})")
-        return 0 if fe_code in (0, None) and engine_code in (0, None) else 1
+        # -SIGTERM: the child was signalled twice (a whole process group got SIGTERM, e.g. from
+        # `timeout`) and ours landed during its interpreter shutdown, where Python's handlers are
+        # gone. Both children install theirs before they report ready, so it was stopping as asked.
+        clean = (0, None, -signal.SIGTERM)
+        return 0 if fe_code in clean and engine_code in clean else 1
 
 
 def run_up(profile: Profile, profile_path: Path, *, host: str | None, port: int | None) -> int:

@@ -20,6 +20,7 @@ import threading
 import time
 
 from blink_appliance.profile import Profile, ProfileError, load_profile, resolve_plan, ring_geometry
+from blink_appliance.stop_signals import set_on_signals
 
 log = logging.getLogger("blink_appliance.engine")
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    set_on_signals(stop, (signal.SIGTERM,))
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:

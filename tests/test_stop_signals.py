@@ -1,0 +1,60 @@
+"""Stop signals set an Event without a lock in the signal handler (blink_appliance/stop_signals.py).
+
+Each case runs in a child process: a signal wakeup fd and signal handlers are process-wide."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# The main thread holds the event's internal lock (as it does for a moment inside Event.wait) when
+# SIGTERM arrives. A handler that calls Event.set() waits for that lock in the thread that holds
+# it: `blink-appliance up` hung so on SIGTERM (py-spy: nested handlers, each in Condition.__enter__).
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from blink_appliance.stop_signals import set_on_signals
+    stop = threading.Event()
+    if sys.argv[1] == "event-set-in-handler":
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    else:
+        set_on_signals(stop, [signal.SIGTERM, signal.SIGINT])
+    with stop._cond:  # CPython's Event keeps its lock here
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    print("stopped" if stop.wait(5) else "not stopped", flush=True)
+    stop.clear()
+    os.kill(os.getpid(), signal.SIGINT)  # SIGINT too, and the process survives both
+    print("stopped" if stop.wait(5) else "not stopped", flush=True)
+    """
+)
+
+
+def _run(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=20)
+
+
+def test_a_signal_while_the_main_thread_holds_the_events_lock_still_sets_it():
+    done = _run("set_on_signals")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["stopped", "stopped"]
+
+
+def test_the_handler_it_replaces_deadlocks_there():
+    # What makes the test above mean something: the old way never gets past the signal.
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", CHILD, "event-set-in-handler"], capture_output=True, timeout=3)
+
+
+def test_a_second_wakeup_fd_is_refused():
+    code = (
+        "import signal, threading\n"
+        "from blink_appliance.stop_signals import set_on_signals\n"
+        "set_on_signals(threading.Event(), [signal.SIGTERM])\n"
+        "set_on_signals(threading.Event(), [signal.SIGTERM])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert done.returncode == 1 and "already has a signal wakeup fd" in done.stderr
