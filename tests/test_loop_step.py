@@ -348,6 +348,9 @@ async def test_sixty_four_requests_keep_the_bookkeeping_consistent_every_step(ta
     for s in streams.values():
         stamps = [e.timestamp_ns for e in s if e.token_id is not None]
         assert all(stamps) and stamps == sorted(stamps), stamps
+    # The client holds back a token whose count arrived first (and counts it); the loop must not
+    # make it wait at all (on the H100 it once did: kernels/commit.py's fences).
+    assert client.payload_waits == 0
     counters = state.counters.tolist()
     assert counters[COUNTER_INDEX["generated_tokens"]] == 64 * 24
     assert counters[COUNTER_INDEX["requests_admitted"]] == counters[COUNTER_INDEX["requests_finished"]] == 64
