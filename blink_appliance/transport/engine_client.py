@@ -68,7 +68,7 @@ class EngineClient:
         # A count may be seen before the token and stamp it covers have arrived (a weakly ordered
         # writer; seen once on the H100): wait this long for them, then fail the stream.
         self.payload_timeout_ns = int(payload_timeout_s * 1e9)
-        self.payload_waits = 0  # streams that had to wait so (telemetry: a non-zero is an ordering bug)
+        self.payload_waits = 0  # waits begun so (telemetry: any is an engine write-ordering bug)
         self._active_ns = 0  # last submit or delivered event
         self._nap_future: asyncio.Future[None] | None = None
         n = self.geometry.max_inflight
