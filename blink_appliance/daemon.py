@@ -66,7 +66,10 @@ class _Child:
     restarts: list[float] = dataclasses.field(default_factory=list)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv)
+        # A session of its own: a signal to the daemon's process group (Ctrl-C, `timeout`,
+        # `kill -- -PGID`) reaches the daemon alone, which drains the front end before it stops the
+        # engine. A child outlives a killed daemon by at most its parent watch's half second.
+        self.proc = subprocess.Popen(self.argv, start_new_session=True)
         say(f"{self.name} started (pid {self.proc.pid})")
 
     @property

@@ -4,9 +4,13 @@ Each case runs in a child process: a signal wakeup fd and signal handlers are pr
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -58,3 +62,38 @@ def test_a_second_wakeup_fd_is_refused():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
     assert done.returncode == 1 and "already has a signal wakeup fd" in done.stderr
+
+
+def test_a_signal_to_the_daemons_process_group_does_not_reach_its_children(tmp_path):
+    """The daemon's children run in sessions of their own: a group SIGTERM (Ctrl-C's SIGINT,
+    `timeout`) reaches the daemon alone, which drains the front end before it stops the engine."""
+    pid_file = tmp_path / "child.pid"
+    parent = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        from blink_appliance.daemon import _Child
+        child = _Child("engine", [sys.executable, "-c", "import time; time.sleep(60)"])
+        child.start()
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stands in for the daemon's drain
+        time.sleep(60)
+        """
+    )
+    daemon = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    child_pid = None
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and daemon.poll() is None, "the stand-in daemon did not start"
+            time.sleep(0.05)
+        child_pid = int(pid_file.read_text())
+        os.killpg(daemon.pid, signal.SIGTERM)  # the whole group the daemon leads
+        assert daemon.wait(10) == 0
+        time.sleep(0.2)
+        os.kill(child_pid, 0)  # the child is still there: the signal did not reach it
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        if child_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child_pid, signal.SIGKILL)
