@@ -218,9 +218,9 @@ class ApplianceDaemon:
         region.store("shutdown", 1)
         engine_code = self.engine.stop(15.0)
         say(f"stopped (front end exit {fe_code}, engine exit {engine_code})")
-        # -SIGTERM: the child was signalled twice (a whole process group got SIGTERM, e.g. from
-        # `timeout`) and ours landed during its interpreter shutdown, where Python's handlers are
-        # gone. Both children install theirs before they report ready, so it was stopping as asked.
+        # -SIGTERM: the child was already exiting (the engine on the shutdown word, either on a
+        # signal sent to it alone) and ours landed during its interpreter shutdown, where Python's
+        # handlers are gone. Both install theirs before they report ready: it stopped as asked.
         clean = (0, None, -signal.SIGTERM)
         return 0 if fe_code in clean and engine_code in clean else 1
 
