@@ -138,6 +138,8 @@ class ApplianceDaemon:
             if self._stop.is_set():
                 return self._shutdown(region)
             self._start_frontend()
+            if self._stop.is_set():  # stopped while the front end started: never "ready"
+                return self._shutdown(region)
             say(f"ready: {self.url}  (model {self.profile.model.name}; SIGTERM or Ctrl-C drains and stops)")
             print(self.url, flush=True)  # stdout carries only the URL, for scripts
             self._supervise(region)

@@ -33,6 +33,13 @@ def _pin(cpus: list[int]) -> None:
 
 
 async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | None) -> None:
+    # First: a SIGTERM while this process starts must still end in the drain below (exit 0), not in
+    # the default action; and none can arrive between listening and having a handler.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if parent_pid is not None:
+        watch_parent(parent_pid, loop, stop)
     from blink_appliance.dpu.app import create_app
     from blink_appliance.dpu.auth import configured_keys
     from blink_appliance.dpu.completion_service import CompletionService, ServiceLimits
@@ -109,11 +116,6 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
         tmp.write_text(url)
         tmp.replace(ready_file)  # atomic: the daemon never reads half a URL
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    if parent_pid is not None:
-        watch_parent(parent_pid, loop, stop)
     await stop.wait()
 
     # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left.
