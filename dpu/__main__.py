@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Until serve() puts the loop's handler in its place: nothing is accepted yet, so just exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         profile = load_profile(args.profile).with_overrides(host=args.host, port=args.port)
     except ProfileError as e:

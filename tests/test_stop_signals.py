@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,30 @@ def test_a_signal_to_the_daemons_process_group_does_not_reach_its_children(tmp_p
         if child_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child_pid, signal.SIGKILL)
+
+
+def test_up_stopped_while_its_front_end_starts_never_says_ready_and_exits_zero(tmp_path):
+    from tests.test_http_live import write_profile
+
+    profile = write_profile(tmp_path, "dummy:tiny")
+    exe = Path(sys.executable).parent / "blink-appliance"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [str(exe), "up", str(profile)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    lines: list[str] = []
+    try:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if "frontend started" in line:
+                proc.send_signal(signal.SIGTERM)  # the front end is importing, not yet listening
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + err
+    assert proc.returncode == 0, log
+    assert out == "", out  # stdout carries the URL once ready; it never was
+    # (The front end may exit 0 or by the signal: it can arrive before its interpreter has a handler.)
+    assert "ready:" not in log and "engine exit 0" in log, log
