@@ -135,10 +135,9 @@ class ApplianceDaemon:
         say(f"ring region /dev/shm/{self.profile.appliance.shm_name}: {transport.size / 2**20:.1f} MiB")
         try:
             self._start_engine(region)
-            if self._stop.is_set():
-                return self._shutdown(region)
-            self._start_frontend()
-            if self._stop.is_set():  # stopped while the front end started: never "ready"
+            if not self._stop.is_set():
+                self._start_frontend()
+            if self._stop.is_set():  # stopped while starting: never "ready"
                 return self._shutdown(region)
             say(f"ready: {self.url}  (model {self.profile.model.name}; SIGTERM or Ctrl-C drains and stops)")
             print(self.url, flush=True)  # stdout carries only the URL, for scripts

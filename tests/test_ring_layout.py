@@ -23,7 +23,7 @@ from blink_appliance.transport.ring_layout import (
     region_size,
 )
 from blink_appliance.transport.shm_transport import RegionInUseError, ShmTransport
-from tests.test_ring_support import SMALL, unique_name
+from tests.test_ring_support import SMALL, shm_region, unique_name
 
 PROTOCOL_MD = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 
@@ -103,9 +103,8 @@ def test_region_create_and_attach_checks_geometry():
 def test_telemetry_reader_waits_for_a_writer_descheduled_mid_write():
     # On a 2-core host the engine can be preempted between its two seqlock stores; the reader must
     # yield until the writer finishes, not give up after a burst of spins (a CI failure, stop 14).
-    transport = ShmTransport.create(unique_name(), region_size(SMALL))
-    try:
-        region = RingRegion.create(transport, SMALL)
+    with shm_region() as transport:
+        region = RingRegion.attach(transport, SMALL)
         region.write_telemetry({"generated_tokens": 1})
         seq = region.load("telemetry_seq")
         region.store("telemetry_seq", seq + 1)  # a write begun...
@@ -119,22 +118,17 @@ def test_telemetry_reader_waits_for_a_writer_descheduled_mid_write():
         writer.start()
         assert region.read_telemetry()["generated_tokens"] == 7
         writer.join()
-    finally:
-        transport.close()
 
 
 def test_telemetry_left_mid_write_by_a_dead_writer_times_out_and_the_next_write_recovers():
-    transport = ShmTransport.create(unique_name(), region_size(SMALL))
-    try:
-        region = RingRegion.create(transport, SMALL)
+    with shm_region() as transport:
+        region = RingRegion.attach(transport, SMALL)
         region.store("telemetry_seq", 5)  # odd: the writer died between its two stores
         with pytest.raises(TimeoutError, match="still being written after 0.05 s"):
             region.read_telemetry(timeout_s=0.05)
         region.write_telemetry({"generated_tokens": 3})  # a restarted engine's first write
         assert region.load("telemetry_seq") % 2 == 0
         assert region.read_telemetry(timeout_s=0.05)["generated_tokens"] == 3
-    finally:
-        transport.close()
 
 
 def test_shm_transport_roundtrip_and_bounds():

@@ -28,8 +28,6 @@ from blink_appliance.transport.ring_layout import (
 )
 from blink_appliance.transport.transport import Transport
 
-_NONE_I32, _NONE_U64 = np.zeros(0, dtype="<i4"), np.zeros(0, dtype="<u8")
-
 
 class EngineBusyError(Exception):
     """No room right now (request ring, token arena or in-flight slots full); retry later."""
@@ -330,7 +328,7 @@ class EngineClient:
         pending = self._by_slot.get(slot)
         moved = False
         if pending is not None and not pending.terminated and (count > start or final):
-            tokens, times = r.read_output(slot, start, count) if count > start else (_NONE_I32, _NONE_U64)
+            tokens, times = r.read_output(slot, start, max(start, count))
             status = r.read_status(slot) if final else None
             unwritten = np.flatnonzero(times == 0)
             arrived = int(unwritten[0]) if unwritten.size else len(times)
@@ -340,9 +338,7 @@ class EngineClient:
                 return self._wait_for_payload(pending, slot, start, tokens, times, arrived, final)
             pending.payload_wait_since_ns = 0
             terminal_token = bool(final and status["terminal_token"] and count > start)
-            for i in range(len(tokens) - int(terminal_token)):
-                event = TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
-                pending.queue.put_nowait(event)
+            self._deliver(pending, tokens, times, len(tokens) - int(terminal_token))
             if terminal_token:
                 self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
             if final and not pending.terminated:
@@ -374,10 +370,7 @@ class EngineClient:
             pending.payload_wait_since_ns = now
             self.payload_waits += 1
         ready = max(0, min(arrived, len(tokens) - 1)) if final else arrived
-        for i in range(ready):
-            pending.queue.put_nowait(
-                TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
-            )
+        self._deliver(pending, tokens, times, ready)
         self._delivered[slot] = start + ready
         if ready:
             pending.payload_wait_since_ns = now  # progress: the timeout counts from here
@@ -393,6 +386,14 @@ class EngineClient:
             )
             return True
         return ready > 0
+
+    @staticmethod
+    def _deliver(pending: _Pending, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
+        """The first `n` tokens as non-final events."""
+        for i in range(n):
+            pending.queue.put_nowait(
+                TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
+            )
 
     def _emit_terminal(self, pending: _Pending, status: np.void, token: int | None, stamp: int) -> None:
         reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)
