@@ -26,13 +26,19 @@ log = logging.getLogger("blink_appliance.engine")
 
 
 def pin_cpus(cpus: list[int], what: str) -> None:
-    """Pin this process to `cpus` (empty: leave it alone); a bad list is an error, not a warning."""
+    """Pin this process to `cpus` (empty: leave it alone) and size torch's intra-op thread pool to
+    them; a bad list is an error, not a warning."""
     if not cpus:
         return
     try:
         os.sched_setaffinity(0, set(cpus))
     except (OSError, ValueError) as e:
         raise ProfileError(f"{what}: cannot pin to CPUs {cpus}: {e}") from None
+    import torch
+
+    # torch sized its pool from the CPUs the process had when torch was imported (all of them):
+    # pinned to fewer, its threads would take turns on them and every parallel op waits for the last.
+    torch.set_num_threads(len(set(cpus)))
 
 
 def exit_with_parent(parent_pid: int, stop: threading.Event) -> None:
