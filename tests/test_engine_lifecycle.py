@@ -11,6 +11,7 @@ from blink_appliance.transport.engine_lifecycle import (
     ENGINE_SHUTDOWN_REQUEST,
     FrontendWatch,
     Heartbeat,
+    Throttle,
     begin_epoch,
     drain_ring,
     finish_open_channels,
@@ -144,3 +145,13 @@ def test_frontend_watch_reports_a_still_word_once_a_timeout_and_a_moving_one_nev
         assert not watch.lost()  # reported once, then counted again from the report
         time.sleep(0.25)
         assert watch.lost()
+
+
+def test_throttle_is_due_first_then_once_per_interval():
+    hourly, always = Throttle(3600.0), Throttle(0.0)
+    assert hourly.due() and not hourly.due() and not hourly.due()
+    assert always.due() and always.due()
+    brief = Throttle(0.05)
+    assert brief.due()
+    time.sleep(0.06)
+    assert brief.due()

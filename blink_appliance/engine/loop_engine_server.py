@@ -38,6 +38,7 @@ from blink_appliance.engine.request import FinishReason
 from blink_appliance.transport.engine_lifecycle import (
     FrontendWatch,
     Heartbeat,
+    Throttle,
     begin_epoch,
     drain_ring,
     finish_open_channels,
@@ -157,7 +158,7 @@ class LoopEngineServer:
         self.device_loop = device_loop
         self.clock_offset_ns = clock_offset_ns
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.telemetry_interval_ns = int(telemetry_interval_s * 1e9)
+        self._telemetry = Throttle(telemetry_interval_s)
         self.idle_sleep_s = idle_sleep_s
         self._frontend = FrontendWatch(region, frontend_timeout_s)
         self.stop_timeout_s = stop_timeout_s
@@ -165,7 +166,6 @@ class LoopEngineServer:
         self.report = StopReport()
         self._owned = list(owned)  # closed by close(), last first (e.g. the mapped ring after the loop)
         self.step: object | None = None  # the LoopStep, when built here: kept alive with the server
-        self._telemetry_at = 0
 
     # -- the whole run ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -230,7 +230,7 @@ class LoopEngineServer:
     # -- mode "loop": launched once, this thread only watches --------------------------------------
     def _watch_loop(self, stop: threading.Event, heartbeat: Heartbeat) -> None:
         assert self.device_loop is not None
-        interval = min(self.heartbeat_interval_s, self.telemetry_interval_ns / 1e9)
+        interval = min(self.heartbeat_interval_s, self._telemetry.interval_s)
         while self.device_loop.running():
             heartbeat.beat()
             self._maybe_telemetry()
@@ -329,9 +329,7 @@ class LoopEngineServer:
 
     # -- telemetry ------------------------------------------------------------------------------------
     def _maybe_telemetry(self) -> None:
-        now = time.monotonic_ns()
-        if now - self._telemetry_at >= self.telemetry_interval_ns:
-            self._telemetry_at = now
+        if self._telemetry.due():
             self._write_telemetry()
 
     def _write_telemetry(self) -> None:

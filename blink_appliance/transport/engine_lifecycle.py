@@ -161,6 +161,23 @@ class Heartbeat:
             self.beat()
 
 
+class Throttle:
+    """`due()` is true at most once per interval (CLOCK_MONOTONIC), the first call included: how
+    often an engine copies its counters into the telemetry block between steps."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._interval_ns = int(interval_s * 1e9)
+        self._last_ns: int | None = None
+
+    def due(self) -> bool:
+        now = time.monotonic_ns()
+        if self._last_ns is not None and now - self._last_ns < self._interval_ns:
+            return False
+        self._last_ns = now
+        return True
+
+
 class FrontendWatch:
     """The front end's heartbeat word seen through our own clock: lost once the word has not
     changed for `timeout_s` (the clocks of the two processes are never compared)."""

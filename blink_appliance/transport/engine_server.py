@@ -21,6 +21,7 @@ from blink_appliance.engine.request import FinishReason, Request, SamplingParams
 from blink_appliance.transport.engine_lifecycle import (
     FrontendWatch,
     Heartbeat,
+    Throttle,
     begin_epoch,
     drain_ring,
     finish_open_channels,
@@ -100,7 +101,7 @@ class EngineServer:
         self.admit_per_iteration = admit_per_iteration
         self._frontend = FrontendWatch(self.region, frontend_timeout_s)
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.telemetry_interval_ns = int(telemetry_interval_s * 1e9)
+        self._telemetry = Throttle(telemetry_interval_s)
         self._live: dict[int, _Live] = {}  # request id -> channel
         self._live_gen = np.zeros(geometry.max_inflight, dtype=np.uint64)  # 0: slot not live here
         self._slot_request = np.zeros(geometry.max_inflight, dtype=np.int64)
@@ -119,7 +120,6 @@ class EngineServer:
         )
         self._tail = 0
         self._arena_tail = 0
-        self._telemetry_at = 0
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -379,9 +379,7 @@ class EngineServer:
 
     # -- telemetry --------------------------------------------------------------------------------
     def _maybe_telemetry(self) -> None:
-        now = time.monotonic_ns()
-        if now - self._telemetry_at >= self.telemetry_interval_ns:
-            self._telemetry_at = now
+        if self._telemetry.due():
             self._write_telemetry()
 
     def _write_telemetry(self) -> None:
