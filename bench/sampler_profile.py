@@ -37,9 +37,9 @@ from bench_forward import _ensure_kernels_importable  # noqa: E402
 _ensure_kernels_importable()
 
 from blink_appliance.engine.device_sampler import DeviceSampler  # noqa: E402
-from blink_appliance.engine.device_state import DeviceState, LoopGeometry  # noqa: E402
 from blink_appliance.engine.request import SamplingParams  # noqa: E402
 from blink_appliance.engine.sampler import SamplingTensors, sample  # noqa: E402
+from tests.test_device_sampler import load_rows, make_state  # noqa: E402  (what schedule writes for the rows)
 
 MIXES: dict[str, dict] = {
     "temperature": dict(temperature=0.8),
@@ -61,27 +61,6 @@ def logits_of(shape: str, rows: int, vocab: int, device: str) -> torch.Tensor:
         for r in range(rows):
             x[r, torch.randperm(vocab, generator=gen)] += head
     return x.to(device).contiguous()
-
-
-def make_state(rows: int, vocab: int, device: str) -> DeviceState:
-    geometry = LoopGeometry(
-        num_slots=rows, max_num_seqs=rows, max_num_batched_tokens=max(rows, 8), buckets=(max(rows, 8),),
-        block_size=16, num_kv_blocks=8, max_model_len=64, max_stop_ids=2, vocab_size=vocab, eos_token_ids=(),
-    )  # fmt: skip
-    return DeviceState.allocate(geometry, device)
-
-
-def load_rows(state: DeviceState, params: list[SamplingParams], output_index: list[int]) -> None:
-    """What schedule writes for the sample rows (every row in use)."""
-    n = len(params)
-    state.sample_slot[:n] = torch.arange(n, dtype=torch.int32)
-    state.row_temperature[:n] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    state.row_top_k[:n] = torch.tensor([p.top_k for p in params])
-    state.row_top_p[:n] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    state.row_min_p[:n] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    state.row_seed[:n] = torch.tensor([p.seed for p in params])
-    state.row_output_index[:n] = torch.tensor(output_index)
-    state.sampler_index.fill_(1)
 
 
 def exact_rows(logits: torch.Tensor, params: list[SamplingParams], candidates: int) -> int:
@@ -134,8 +113,9 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
     logits = logits_of(shape, rows, vocab, device)
     params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
     output_index = [r % 7 for r in range(rows)]
-    state = make_state(rows, vocab, device)
+    state = make_state(rows, vocab)
     load_rows(state, params, output_index)
+    state.sampler_index.fill_(1)
     sampler = DeviceSampler(state, logits)
 
     sampler.full()
