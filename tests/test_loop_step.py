@@ -265,7 +265,9 @@ async def test_loop_with_the_real_gpu_forward_matches_the_reference():
     """LoopStep.build's GpuForward (interpreted Triton, ~20 s per step): prefill + one decode."""
     geometry = dataclasses.replace(GEOMETRY, buckets=(16,))  # one bucket: no split-KV programs
     tokens = prompt(9, 5)
-    streams, loop, _ = await run_workload([("two", 0, tokens, greedy(2))], target="cpu-real", geometry=geometry)
+    streams, loop, _ = await run_workload(
+        [("two", 0, tokens, greedy(2))], target="cpu-real", geometry=geometry
+    )
     model = build_model(checkpoint(), torch.float32, "cpu")
     want = LLMEngine(model, EngineConfig(seed=0, **ENGINE)).generate([Request(0, tokens, greedy(2))])[0]
     assert [e.token_id for e in streams["two"]] == want and streams["two"][-1].finished
