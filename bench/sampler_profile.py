@@ -7,12 +7,13 @@ rows at V = 128256 (greedy: 29 us), where the docstring's estimate from its traf
 This finds which part costs it. Per case (a logit shape times a sampling mix, every row the same
 mix), after checking the sampled tokens against the reference sampler (engine/sampler.py):
 - `greedy()` and `full()` captured as CUDA graphs (as the loop runs them), median replay time;
-- how many rows take the exact-cut path (the fast path's own condition, read back once);
+- how many rows have their top-k / top-p cut past the 256 candidates, which sends them down the
+  exact-cut path (counted on the host from the logits; ties at the candidates' edge left out);
 - the top kernels of a few eager `full()` calls under the torch profiler (us per call).
 
 Logit shapes: `flat` (N(0, 1): what random weights give, where a 0.9 nucleus holds most of the
-vocabulary) and `peaked` (N(0, 1) plus a Zipf-like head: the first few hundred ranks carry most of
-the mass, as a trained model's next-token distribution usually does).
+vocabulary) and `peaked` (N(0, 1) plus a Zipf-like head: a 0.9 nucleus of about 60 ranks, as a
+trained model's next-token distribution usually has a small one).
 
 Without a GPU it runs the same cases under the Triton interpreter at a small vocabulary (--vocab),
 as a check of the harness: correctness only, no timings.
