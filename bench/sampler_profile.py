@@ -104,8 +104,10 @@ def top_kernels(fn, calls: int = 5, top: int = 8) -> list[tuple[str, float]]:
         torch.cuda.synchronize()
     rows = []
     for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None) or evt.cuda_time_total
-        if us and evt.device_type == torch.autograd.DeviceType.CUDA:
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+        if us:
             rows.append((evt.key[:70], us / calls))
     return sorted(rows, key=lambda r: -r[1])[:top]
 
