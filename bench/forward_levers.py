@@ -28,7 +28,8 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
   the next norm sums (O at 65-128 tokens on cuBLAS) instead of adding into the fp32 residual stream.
 - <proj>.<field>=<int> (proj qkv, o, gate_up, down; a GemmLaunch field): that launch shape changed
   in the 17-128-token buckets; <proj>16.<field>=<int> in the buckets up to 16 tokens.
-- attn128.<field>=<int> (an AttentionConfig field): the attention launch shape at 33-128 tokens.
+- attn128.<field>=<int> (an AttentionConfig field): the attention launch shape at 33-128 tokens;
+  attn.<field>=<int> in every bucket (attn.fused_rope=1: RoPE and the cache write in the attention).
 (The levers this file had at commit 98cc562, gu128 / qkv128 / bfp / attn1w / down8 / lmt / qkv4 /
 gubk128 / gu4w / attn16k, built today's `decode_gemms` and `attention_config` from the older ones;
 bench/results/2026-11-23-h100-forward-gated-gemm.md, where o128 is too; oacc, dacc, dacc8, o2x, d2x,
@@ -54,6 +55,7 @@ from bench_forward import (  # noqa: E402
     BLOCK_SIZE,
     DECODE_CONTEXT,
     MAX_SEQS,
+    Workload,
     copy_bandwidth,
     load_workload,
     profile_step,
@@ -102,8 +104,8 @@ def plans(levers: set[str]):
     def attention_plan(t: int) -> AttentionConfig:
         a = attention_config(t)
         for lever in levers:
-            if lever.startswith("attn128.") and 32 < t <= 128:
-                field, value = lever.removeprefix("attn128.").split("=")
+            if (lever.startswith("attn128.") and 32 < t <= 128) or lever.startswith("attn."):
+                field, value = lever.split(".", 1)[1].split("=")
                 a = replace(a, **{field: int(value)})
         return a
 
@@ -134,6 +136,7 @@ def run_variant(
     bw: float,
     log: list[str],
     profile: bool = True,
+    prefill: int = 0,
 ):
     max_blocks = (DECODE_CONTEXT + max(buckets)) // BLOCK_SIZE + 2
     num_blocks = MAX_SEQS * (DECODE_CONTEXT // BLOCK_SIZE + 1) + max(buckets) // BLOCK_SIZE + 8
@@ -180,7 +183,7 @@ def run_variant(
     log.append(f"{name}: warm-up + capture {time.time() - t:.1f}s")
     rows, logits, profiles = [], {}, {}
     for T in buckets:
-        w = workload(T)
+        w = Workload(T, decodes=T - prefill, prefill=prefill) if prefill else workload(T)
         load_workload(fwd, w, cfg.vocab_size, num_blocks, max_blocks)
         # One replay on the loaded step for the logits (the cache writes repeat the same slots).
         logits[T] = graphs.replay(T).clone()
@@ -207,13 +210,18 @@ def main() -> None:
     ap.add_argument("--buckets", default="8,32,128")
     ap.add_argument("--variants", default="base,skinny,skinny+nn,skinny+lmfp32,skinny+nn+lmfp32")
     ap.add_argument("--profile", default="", help="comma-separated variants to profile (default: all)")
+    ap.add_argument(
+        "--prefill", type=int, default=0,
+        help="a mixed step: one prefill chunk of this many tokens (from position 0) and decodes in the rest",
+    )  # fmt: skip
     args = ap.parse_args()
     buckets = tuple(int(b) for b in args.buckets.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     env = dict(gpu=props.name, torch=torch.__version__, cuda=torch.version.cuda,
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model)  # fmt: skip
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model,
+               prefill=args.prefill)  # fmt: skip
     print(json.dumps(env), flush=True)
     bw = copy_bandwidth()
     cfg = preset_config(args.model)
@@ -224,7 +232,7 @@ def main() -> None:
     for name in args.variants.split(","):
         try:
             profile = to_profile is None or name in to_profile
-            rows, logits, prof = run_variant(name, cfg, weights, buckets, bw, log, profile)
+            rows, logits, prof = run_variant(name, cfg, weights, buckets, bw, log, profile, args.prefill)
         except Exception as e:  # a lever this torch build lacks is reported, not fatal
             log.append(f"{name}: FAILED {type(e).__name__}: {e}")
             print(log[-1], flush=True)

@@ -7,6 +7,10 @@ as the split-K GEMM's fp32 partials (`qkv_parts`, plus the bias if any): summed 
 one-piece GEMM would round them; then only the q part of `qkv` is written (the rotated q). Optional
 per-head RMSNorm of q and k before the rotation (Qwen3). cos/sin come from tables precomputed at load
 time (`rope_tables`), Llama-3 frequency scaling included, so the step does no trigonometry.
+
+`qkv_tile`, `rope_at`, `rope_halves` and `join_halves` are shared with kernels/paged_attention.py,
+which can do this kernel's work itself (its `FusedRope`): rotate q and the step's new keys as it loads
+them from the QKV output, and write the keys and values to the cache.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ def _head_rms(x1, x2, w_ptr, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _qkv_tile(row, part_row, bias_ptr, off, mask, part_stride, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A tile of this token's QKV row: from qkv, or the sum in fp32 of the PARTS partials (+ bias)."""
+def qkv_tile(row, part_row, bias_ptr, off, mask, part_stride, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A tile of QKV output at `row + off` (row: one token's row, or a column of row pointers): from
+    qkv, or the sum in fp32 of the PARTS partials (+ bias) rounded to qkv's dtype, as a one-piece GEMM
+    would round it."""
     if PARTS == 0:
         return tl.load(row + off, mask=mask, other=0.0)
     acc = tl.load(part_row + off, mask=mask, other=0.0).to(tl.float32)
@@ -51,6 +57,30 @@ def _qkv_tile(row, part_row, bias_ptr, off, mask, part_stride, PARTS: tl.constex
     if HAS_BIAS:
         acc += tl.load(bias_ptr + off, mask=mask, other=0.0).to(tl.float32)
     return acc.to(row.dtype.element_ty)
+
+
+@triton.jit
+def rope_at(cos_ptr, sin_ptr, pos, max_positions, HEAD_DIM: tl.constexpr):
+    """cos and sin [len(pos), HEAD_DIM // 2] fp32 at positions `pos`."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    # An out-of-table position is a scheduler bug; clamp so it cannot fault (the host checks bounds).
+    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
+    off = pos[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    return tl.load(cos_ptr + off), tl.load(sin_ptr + off)
+
+
+@triton.jit
+def rope_halves(x1, x2, cos, sin):
+    """Rotate-half RoPE in fp32 of rows split into halves [a | b]: (a*cos - b*sin, b*cos + a*sin)."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    return a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
+def join_halves(x1, x2):
+    """[n, h] and [n, h] -> [n, 2h]: the halves side by side again."""
+    return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (x1.shape[0], 2 * x1.shape[1]))
 
 
 @triton.jit
@@ -98,36 +128,38 @@ def _rope_cache_write_kernel(
     hq = tl.arange(0, HQ_PAD)[:, None]
     qmask = hq < NUM_HEADS
     q_off = hq * HEAD_DIM + d[None, :]
-    q1 = _qkv_tile(row, part_row, bias_ptr, q_off, qmask, part_stride, PARTS, HAS_BIAS)
-    q2 = _qkv_tile(row, part_row, bias_ptr, q_off + HALF, qmask, part_stride, PARTS, HAS_BIAS)
+    q1 = qkv_tile(row, part_row, bias_ptr, q_off, qmask, part_stride, PARTS, HAS_BIAS)
+    q2 = qkv_tile(row, part_row, bias_ptr, q_off + HALF, qmask, part_stride, PARTS, HAS_BIAS)
     if QK_NORM:
         a, b = _head_rms(q1, q2, q_norm_ptr, eps, HALF, HEAD_DIM)
     else:
         a = q1.to(tl.float32)
         b = q2.to(tl.float32)
-    tl.store(row + q_off, (a * cos - b * sin).to(q1.dtype), mask=qmask)
-    tl.store(row + q_off + HALF, (b * cos + a * sin).to(q1.dtype), mask=qmask)
+    r1, r2 = rope_halves(a, b, cos, sin)
+    tl.store(row + q_off, r1.to(q1.dtype), mask=qmask)
+    tl.store(row + q_off + HALF, r2.to(q1.dtype), mask=qmask)
 
     # k heads rotated, k and v stored into the cache slot.
     slot = tl.load(slot_ptr + t)
     hk = tl.arange(0, HKV_PAD)[:, None]
     kmask = hk < NUM_KV_HEADS
     k_off = NUM_HEADS * HEAD_DIM + hk * HEAD_DIM + d[None, :]
-    k1 = _qkv_tile(row, part_row, bias_ptr, k_off, kmask, part_stride, PARTS, HAS_BIAS)
-    k2 = _qkv_tile(row, part_row, bias_ptr, k_off + HALF, kmask, part_stride, PARTS, HAS_BIAS)
+    k1 = qkv_tile(row, part_row, bias_ptr, k_off, kmask, part_stride, PARTS, HAS_BIAS)
+    k2 = qkv_tile(row, part_row, bias_ptr, k_off + HALF, kmask, part_stride, PARTS, HAS_BIAS)
     if QK_NORM:
         a, b = _head_rms(k1, k2, k_norm_ptr, eps, HALF, HEAD_DIM)
     else:
         a = k1.to(tl.float32)
         b = k2.to(tl.float32)
     v_off = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + hk * HEAD_DIM + d[None, :]
-    v1 = _qkv_tile(row, part_row, bias_ptr, v_off, kmask, part_stride, PARTS, HAS_BIAS)
-    v2 = _qkv_tile(row, part_row, bias_ptr, v_off + HALF, kmask, part_stride, PARTS, HAS_BIAS)
+    v1 = qkv_tile(row, part_row, bias_ptr, v_off, kmask, part_stride, PARTS, HAS_BIAS)
+    v2 = qkv_tile(row, part_row, bias_ptr, v_off + HALF, kmask, part_stride, PARTS, HAS_BIAS)
     wmask = kmask & ((hk * 0 + slot) >= 0)  # broadcast the scalar test to the tile
     c_off = tl.maximum(slot, 0) * (NUM_KV_HEADS * HEAD_DIM) + hk * HEAD_DIM + d[None, :]
     cdt = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + c_off, (a * cos - b * sin).to(cdt), mask=wmask)
-    tl.store(k_cache_ptr + c_off + HALF, (b * cos + a * sin).to(cdt), mask=wmask)
+    r1, r2 = rope_halves(a, b, cos, sin)
+    tl.store(k_cache_ptr + c_off, r1.to(cdt), mask=wmask)
+    tl.store(k_cache_ptr + c_off + HALF, r2.to(cdt), mask=wmask)
     tl.store(v_cache_ptr + c_off, v1.to(cdt), mask=wmask)
     tl.store(v_cache_ptr + c_off + HALF, v2.to(cdt), mask=wmask)
 

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from blink_appliance.model.gpu_forward import (  # noqa: E402
     GpuForward,
     GpuWeights,
+    attention_config,
     decode_gemms,
     deterministic_gemms,
 )
@@ -49,21 +50,29 @@ def _fresh_kv(config, dtype, device):
 
 
 @pytest.mark.parametrize(
-    "preset,triton_gemm_max_tokens,bucket,accumulate",
+    "preset,triton_gemm_max_tokens,bucket,accumulate,fused_rope",
     # (128, 32): every projection through the Triton GEMM (all rows in one tile, QKV's split-K partials
     # summed by RoPE, O and down adding into the residual stream); (0, 32): cuBLAS for every projection;
     # (128, 72): the gate+up GEMM writes silu(gate)*up itself; accumulate False: O and down write
-    # split-K partials that the norms sum.
+    # split-K partials that the norms sum. fused_rope: the attention does RoPE and the cache write
+    # (True, False) or the RoPE kernel does (None: the plan's default); Qwen3 keeps the kernel anyway.
     [
-        ("tiny", 128, 32, True),
-        ("tiny-qwen2", 128, 32, True),
-        ("tiny-qwen3", 128, 32, True),
-        ("tiny", 0, 32, False),
-        ("tiny", 128, 72, True),
-        ("tiny", 128, 32, False),
+        ("tiny", 128, 32, True, None),
+        ("tiny-qwen2", 128, 32, True, None),
+        ("tiny-qwen3", 128, 32, True, None),
+        ("tiny", 0, 32, False, None),
+        ("tiny", 128, 72, True, None),
+        ("tiny", 128, 32, False, None),
+        ("tiny", 128, 32, True, True),
+        ("tiny-qwen2", 128, 32, True, True),
+        ("tiny-qwen3", 128, 32, True, True),
+        ("tiny", 0, 72, False, True),
+        ("tiny", 128, 32, True, False),
     ],
 )
-def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_tokens, bucket, accumulate):
+def test_fixed_shape_forward_matches_reference_fp32(
+    preset, triton_gemm_max_tokens, bucket, accumulate, fused_rope
+):
     ckpt = load_checkpoint(f"dummy:{preset}", seed=3)
     cfg = ckpt.config
     ref_model = build_model(ckpt, torch.float32, DEVICE)
@@ -74,6 +83,8 @@ def test_fixed_shape_forward_matches_reference_fp32(preset, triton_gemm_max_toke
         max_tokens=bucket, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
         triton_gemm_max_tokens=triton_gemm_max_tokens,
         gemm_plan=decode_gemms if accumulate else deterministic_gemms,
+        attention_plan=attention_config if fused_rope is None
+        else lambda t: replace(attention_config(t), fused_rope=fused_rope),
     )  # fmt: skip
     # The bucket really takes the path this case is named for.
     plan = fwd._gemms(bucket)

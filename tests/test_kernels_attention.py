@@ -16,7 +16,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.kernels.paged_attention import paged_attention  # noqa: E402
+from blink_appliance.kernels.paged_attention import FusedRope, paged_attention  # noqa: E402
+from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables  # noqa: E402
+
+from blink_appliance.model.config import ModelConfig  # noqa: E402
+from blink_appliance.model.llama import rope_inv_freq  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -149,3 +153,107 @@ def test_paged_attention_rejects_bad_shapes():
             16,
             0.25,
         )
+
+
+def _step_inputs(runs, query_start, ctx, tables, T, bs, gen):
+    """positions and slot_mapping of the step's tokens, as the scheduler writes them (padding: 0, -1)."""
+    positions = torch.zeros(T, dtype=torch.int64)
+    slots = torch.full((T,), -1, dtype=torch.int64)
+    qs = query_start.tolist()
+    for s in range(len(runs)):
+        for t in range(qs[s], qs[s + 1]):
+            p = int(ctx[s]) - (qs[s + 1] - t)
+            positions[t] = p
+            slots[t] = int(tables[s, p // bs]) * bs + p % bs
+    return positions, slots
+
+
+@pytest.mark.parametrize("case", GPU_CASES if GPU else CPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if GPU else [torch.float32])
+@pytest.mark.parametrize(
+    ("num_splits", "block_n", "source"), [(1, 32, "qkv"), (1, 16, "parts"), (3, 16, "parts")]
+)
+def test_fused_rope_matches_the_rope_kernel_then_attention(case, dtype, num_splits, block_n, source):
+    """FusedRope: the attention rotates q and this step's keys itself and writes the step's K/V. Same
+    output and the same cache as kernels/rope.py followed by the plain attention, without ever reading
+    the new slots (they are NaN-poisoned here), and no slot written but the step's."""
+    runs, max_seqs, T, bs, H, HKV, D = case
+    gen = torch.Generator().manual_seed(hash((str(case), str(dtype), num_splits, source)) % 2**31)
+    query_start, ctx, tables, k, v = make_paged_case(runs, max_seqs, T, bs, HKV, D, dtype, gen)
+    positions, slots = _step_inputs(runs, query_start, ctx, tables, T, bs, gen)
+    width = (H + 2 * HKV) * D
+    extra = {}
+    qkv = torch.randn(T, width, generator=gen).to(dtype)
+    if source == "parts":  # the Triton QKV GEMM's split-K partials plus the bias
+        extra = dict(
+            qkv_parts=torch.randn(2, T, width, generator=gen), qkv_bias=torch.randn(width, generator=gen)
+        )
+    cfg = ModelConfig(
+        arch="llama", vocab_size=32, hidden_size=H * D, intermediate_size=32, num_layers=1, num_heads=H, num_kv_heads=HKV,
+        head_dim=D, rope_theta=10000.0,
+    )  # fmt: skip
+    cos, sin = rope_tables(rope_inv_freq(cfg), 4096, DEVICE)
+    dev = lambda x: x.clone().to(DEVICE)  # noqa: E731  (a copy: both paths write into theirs)
+    extra = {name: dev(x) for name, x in extra.items()}
+    scale = D**-0.5
+
+    # The two-kernel path.
+    k_want, v_want, qkv_want = dev(k), dev(v), dev(qkv)
+    rope_and_cache_write(qkv_want, dev(positions), dev(slots), cos, sin, k_want, v_want, H, HKV, D, **extra)
+    want = torch.zeros(T, H * D, dtype=dtype, device=DEVICE)
+    paged_attention(
+        qkv_want[:, : H * D], k_want, v_want, want, dev(query_start), dev(ctx), dev(tables), H, HKV, D, scale,
+        block_n=block_n, num_splits=num_splits,
+    )  # fmt: skip
+
+    # Fused: the step's slots poisoned, qkv poisoned too when the partials carry the row.
+    k_got, v_got = dev(k), dev(v)
+    new = slots[slots >= 0]
+    k_got.view(-1, HKV, D)[dev(new)] = float("nan")
+    v_got.view(-1, HKV, D)[dev(new)] = float("nan")
+    qkv_got = dev(qkv)
+    if source == "parts":
+        qkv_got.fill_(float("nan"))
+    got = torch.full((T, H * D), float("nan"), dtype=dtype, device=DEVICE)
+    paged_attention(
+        qkv_got, k_got, v_got, got, dev(query_start), dev(ctx), dev(tables), H, HKV, D, scale, block_n=block_n,
+        num_splits=num_splits, rope=FusedRope(dev(slots), cos, sin, **extra),
+    )  # fmt: skip
+
+    assert torch.isfinite(got).all(), "read a poisoned slot or left a row unwritten"
+    n_real = int(query_start[-1])
+    assert (got[n_real:] == 0).all()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < tol, f"relative error {err:.2e} against rope + attention"
+    # The cache: the step's slots hold what the RoPE kernel writes; every other slot is untouched.
+    flat = lambda c: c.cpu().view(-1, HKV, D).double()  # noqa: E731
+    assert torch.allclose(flat(k_got), flat(k_want), rtol=tol, atol=tol)
+    assert torch.equal(flat(v_got), flat(v_want))
+
+
+def test_fused_rope_refuses_mismatched_inputs():
+    H, HKV, D, T = 4, 2, 16, 3
+    width = (H + 2 * HKV) * D
+    kv = torch.zeros(2, 4, HKV, D)
+    meta = (
+        torch.tensor([0, T], dtype=torch.int32),
+        torch.tensor([T], dtype=torch.int32),
+        torch.zeros(1, 2, dtype=torch.int32),
+    )
+    cos = sin = torch.zeros(8, D // 2)
+    slots = torch.zeros(T, dtype=torch.int64)
+
+    def call(qkv, rope):
+        paged_attention(qkv, kv, kv, torch.zeros(T, H * D), *meta, H, HKV, D, 0.25, rope=rope)
+
+    with pytest.raises(ValueError, match="whole QKV output"):
+        call(torch.zeros(T, H * D), FusedRope(slots, cos, sin))
+    with pytest.raises(ValueError, match="must be fp32"):
+        call(torch.zeros(T, width), FusedRope(slots, cos, sin, qkv_parts=torch.zeros(2, T + 1, width)))
+    with pytest.raises(ValueError, match="qkv_bias goes with qkv_parts"):
+        call(torch.zeros(T, width), FusedRope(slots, cos, sin, qkv_bias=torch.zeros(width)))
+    with pytest.raises(ValueError, match="cos/sin"):
+        call(torch.zeros(T, width), FusedRope(slots, torch.zeros(8, D), torch.zeros(8, D)))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        call(torch.zeros(T, width), FusedRope(slots[:1], cos, sin))

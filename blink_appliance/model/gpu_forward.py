@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from blink_appliance.kernels.activation import silu_and_mul
-from blink_appliance.kernels.paged_attention import paged_attention, split_partials
+from blink_appliance.kernels.paged_attention import FusedRope, paged_attention, split_partials
 from blink_appliance.kernels.rmsnorm import add_rmsnorm
 from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables
 from blink_appliance.kernels.skinny_gemm import skinny_gemm
@@ -45,6 +45,10 @@ class AttentionConfig:
     splits: int  # split-KV factor (1 = no merge kernel)
     num_warps: int
     num_stages: int
+    # RoPE and this step's KV-cache write done by the attention as it loads q and the new keys
+    # (kernels/paged_attention.py, FusedRope): one kernel fewer per layer. Models with per-head q/k
+    # norms (Qwen3) keep the separate RoPE kernel.
+    fused_rope: bool = False
 
 
 def attention_config(num_tokens: int) -> AttentionConfig:
@@ -53,13 +57,16 @@ def attention_config(num_tokens: int) -> AttentionConfig:
     split to put more loads in flight and small programs (1-2 warps) start faster (T=32: 1 warp, 213 ->
     187 us for 16 layers); from 128 tokens on
     there are programs enough and the merge kernel would cost more than it saves; prefill-heavy buckets
-    take 16-token query tiles and 64-key tiles."""
+    take 16-token query tiles and 64-key tiles.
+    33-128 tokens: the attention does RoPE and the cache write itself (`fused_rope`; 1B T=128
+    1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and 32 tokens it measured
+    slower (1-warp programs need more registers for it) or a tie, so those keep the RoPE kernel."""
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
         return AttentionConfig(block_q=4, block_n=32, splits=4, num_warps=1, num_stages=2)
     if num_tokens <= 128:
-        return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=2, num_stages=2)
+        return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=2, num_stages=2, fused_rope=True)
     return AttentionConfig(block_q=16, block_n=64, splits=1, num_warps=4, num_stages=3)
 
 
@@ -513,15 +520,21 @@ class GpuForward:
             else:
                 torch.mm(x, layer.qkv.t(), out=qkv)
             k_cache, v_cache = self.kv.k[i], self.kv.v[i]
-            rope_and_cache_write(
-                qkv, positions, slots, self.cos, self.sin, k_cache, v_cache, c.num_heads, c.num_kv_heads,
-                c.head_dim, layer.q_norm, layer.k_norm, eps, pdl=self.pdl, qkv_parts=qkv_parts, qkv_bias=bias,
-            )  # fmt: skip
+            if ac.fused_rope and layer.q_norm is None:
+                rope = FusedRope(slots, self.cos, self.sin, qkv_parts, bias)
+                q = qkv  # the whole QKV row (or its partials): the attention rotates q and k itself
+            else:
+                rope_and_cache_write(
+                    qkv, positions, slots, self.cos, self.sin, k_cache, v_cache, c.num_heads, c.num_kv_heads,
+                    c.head_dim, layer.q_norm, layer.k_norm, eps, pdl=self.pdl, qkv_parts=qkv_parts,
+                    qkv_bias=bias,
+                )  # fmt: skip
+                rope, q = None, qkv[:, : c.q_size]
             paged_attention(
-                qkv[:, : c.q_size], k_cache, v_cache, attn, inp.query_start, inp.context_lens,
-                inp.block_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=ac.block_q,
-                block_n=ac.block_n, num_splits=ac.splits, partials=self._attn_partials,
-                num_warps=ac.num_warps, num_stages=ac.num_stages, pdl=self.pdl,
+                q, k_cache, v_cache, attn, inp.query_start, inp.context_lens, inp.block_tables, c.num_heads,
+                c.num_kv_heads, c.head_dim, c.head_dim**-0.5, block_q=ac.block_q, block_n=ac.block_n,
+                num_splits=ac.splits, partials=self._attn_partials, num_warps=ac.num_warps,
+                num_stages=ac.num_stages, pdl=self.pdl, rope=rope,
             )  # fmt: skip
             if g.o:
                 skinny_gemm(attn, layer.o_proj, o_out, **g.o.kernel_args(), pdl=self.pdl)
