@@ -155,7 +155,7 @@ def test_paged_attention_rejects_bad_shapes():
         )
 
 
-def _step_inputs(runs, query_start, ctx, tables, T, bs, gen):
+def _step_inputs(runs, query_start, ctx, tables, T, bs):
     """positions and slot_mapping of the step's tokens, as the scheduler writes them (padding: 0, -1)."""
     positions = torch.zeros(T, dtype=torch.int64)
     slots = torch.full((T,), -1, dtype=torch.int64)
@@ -180,7 +180,7 @@ def test_fused_rope_matches_the_rope_kernel_then_attention(case, dtype, num_spli
     runs, max_seqs, T, bs, H, HKV, D = case
     gen = torch.Generator().manual_seed(hash((str(case), str(dtype), num_splits, source)) % 2**31)
     query_start, ctx, tables, k, v = make_paged_case(runs, max_seqs, T, bs, HKV, D, dtype, gen)
-    positions, slots = _step_inputs(runs, query_start, ctx, tables, T, bs, gen)
+    positions, slots = _step_inputs(runs, query_start, ctx, tables, T, bs)
     width = (H + 2 * HKV) * D
     extra = {}
     qkv = torch.randn(T, width, generator=gen).to(dtype)
