@@ -212,7 +212,8 @@ def _paged_attention_kernel(
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)
     if FUSED_ROPE:
-        # Keys below ctx_old are in the cache; the run's own tokens (this step's keys) come from qkv.
+        # Keys below ctx_old are in the cache already; this step's keys (ctx_old and up) come from
+        # qkv and are written there before the key loop.
         ctx_old = ctx - (seq_end - seq_start)
         fresh_lo = tl.maximum(kv_lo, ctx_old)
         q_cos, q_sin = rope_at(cos_ptr, sin_ptr, q_pos, max_positions, HEAD_DIM)

@@ -45,9 +45,9 @@ class AttentionConfig:
     splits: int  # split-KV factor (1 = no merge kernel)
     num_warps: int
     num_stages: int
-    # RoPE and this step's KV-cache write done by the attention as it loads q and the new keys
-    # (kernels/paged_attention.py, FusedRope): one kernel fewer per layer. Models with per-head q/k
-    # norms (Qwen3) keep the separate RoPE kernel.
+    # RoPE and this step's KV-cache write done by the attention itself (kernels/paged_attention.py,
+    # FusedRope): one kernel fewer per layer. Models with per-head q/k norms (Qwen3) keep the
+    # separate RoPE kernel.
     fused_rope: bool = False
 
 
@@ -59,8 +59,9 @@ def attention_config(num_tokens: int) -> AttentionConfig:
     there are programs enough and the merge kernel would cost more than it saves; prefill-heavy buckets
     take 16-token query tiles and 64-key tiles.
     33-128 tokens: the attention does RoPE and the cache write itself (`fused_rope`; 1B T=128
-    1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and 32 tokens it measured
-    slower (1-warp programs need more registers for it) or a tie, so those keep the RoPE kernel."""
+    1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and
+    32 tokens it measured slower (1-warp programs need more registers for it) or a tie, so those
+    keep the RoPE kernel."""
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
