@@ -21,11 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import BLOCK_SIZE, DECODE_CONTEXT, MAX_SEQS, Batcher, copy_bandwidth, to_device  # noqa: E402
-from blink_appliance.kernels.paged_attention import paged_attention, split_partials  # noqa: E402
+from blink_appliance.kernels.paged_attention import paged_attention  # noqa: E402
+from blink_appliance.kernels.split_kv import split_partials  # noqa: E402
 from gemm_chain import chain_ms  # noqa: E402
 
-from blink_appliance.model.gpu_forward import attention_config  # noqa: E402
-from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
+from blink_appliance.model.launch_plans import attention_config  # noqa: E402
+from blink_appliance.model.presets import preset_config  # noqa: E402
 
 
 def configs(tokens: int) -> list[tuple[int, int, int, int]]:

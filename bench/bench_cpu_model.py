@@ -25,10 +25,10 @@ from typing import TypeVar
 
 import torch
 
-from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
-from blink_appliance.engine.request import Request, SamplingParams
+from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
 from blink_appliance.model.loaders import build_model, load_checkpoint
-from blink_appliance.model.loaders.model_registry import resolve
+from blink_appliance.model.registry import resolve
+from blink_appliance.wire.request import Request, SamplingParams
 
 T = TypeVar("T")
 

@@ -50,11 +50,12 @@ _ensure_kernels_importable()
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from blink_appliance.engine.cuda_graphs import ForwardGraphs  # noqa: E402
-from blink_appliance.model.gpu_forward import GpuForward, GpuWeights  # noqa: E402
+from blink_appliance.engine.loop.forward_graphs import ForwardGraphs  # noqa: E402
+from blink_appliance.model.gpu_forward import GpuForward  # noqa: E402
+from blink_appliance.model.gpu_weights import GpuWeights  # noqa: E402
 from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
-from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
+from blink_appliance.model.presets import preset_config  # noqa: E402
 
 BUCKETS = (8, 32, 128, 512, 2048)
 BLOCK_SIZE = 16

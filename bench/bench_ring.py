@@ -4,7 +4,7 @@ The engine runs in its own process (multiprocessing spawn) under EngineServer; t
 this process's EngineClient, as in the appliance. `--engine trivial` (default) is an engine that
 answers every request with one token in one step and does no model work, so the numbers are the
 ring, the server loop and the client pump; `--engine tiny` uses the reference engine on the random
-dummy:tiny model (needs blink_appliance.engine.llm_engine).
+dummy:tiny model (needs blink_appliance.engine.reference.engine).
 
     .venv/bin/python bench/bench_ring.py [--engine trivial|tiny] [--requests 2000] [--burst 5000]
 """
@@ -21,12 +21,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from blink_appliance.engine.request import FinishReason, Request, SamplingParams, TokenEvent
-from blink_appliance.transport.engine_client import EngineBusyError, EngineClient
-from blink_appliance.transport.engine_server import EngineServer
-from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import RingGeometry, region_size
-from blink_appliance.transport.shm_transport import ShmTransport
+from blink_appliance.engine.reference.server import EngineServer
+from blink_appliance.wire.client import EngineBusyError, EngineClient
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams, TokenEvent
+from blink_appliance.wire.ring_layout import RingGeometry, region_size
+from blink_appliance.wire.shm_transport import ShmTransport
 
 GEOMETRY = RingGeometry(
     request_slots=1024,
@@ -79,7 +79,7 @@ def _make_engine(kind: str):
         return TrivialEngine()
     import torch
 
-    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
+    from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
     from blink_appliance.model.loaders import build_model, load_checkpoint
 
     return LLMEngine(build_model(load_checkpoint("dummy:tiny"), torch.float32, "cpu"), EngineConfig())

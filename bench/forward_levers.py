@@ -63,18 +63,18 @@ from bench_forward import (  # noqa: E402
 )
 from triton.testing import do_bench  # noqa: E402
 
-from blink_appliance.engine.cuda_graphs import ForwardGraphs  # noqa: E402
-from blink_appliance.model.gpu_forward import (  # noqa: E402
+from blink_appliance.engine.loop.forward_graphs import ForwardGraphs  # noqa: E402
+from blink_appliance.model.gpu_forward import GpuForward  # noqa: E402
+from blink_appliance.model.gpu_weights import GpuWeights  # noqa: E402
+from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
+from blink_appliance.model.launch_plans import (  # noqa: E402
     AttentionConfig,
     DecodeGemms,
-    GpuForward,
-    GpuWeights,
     attention_config,
     decode_gemms,
     deterministic_gemms,
 )
-from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
-from blink_appliance.model.loaders.dummy import preset_config  # noqa: E402
+from blink_appliance.model.presets import preset_config  # noqa: E402
 
 SKINNY = {"skinny": 16, "skinny64": 64, "skinny128": 128}  # lever -> triton_gemm_max_tokens
 PROD = {"skinny128", "nn", "lmfp32", "pdl", "tqkv"}

@@ -26,7 +26,7 @@ import torch
 from blink_appliance.kernels.skinny_gemm import skinny_gemm
 from triton.testing import do_bench
 
-from blink_appliance.model.loaders.dummy import preset_config
+from blink_appliance.model.presets import preset_config
 
 
 def swap_ab(x, w, out, block_n, block_k, split_k, warps, stages, pdl=False, silu=False):

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blink_appliance.kernels import paged_attention as pa  # noqa: E402
 
-from blink_appliance.model.gpu_forward import attention_config  # noqa: E402
+from blink_appliance.model.launch_plans import attention_config  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 ARG_TYPES = {

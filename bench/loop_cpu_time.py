@@ -1,6 +1,6 @@
 """Host CPU time of the engine process per 1,000 generated tokens, and TPOT, for each engine mode.
 
-The engine runs as `up` runs it (`python -m blink_appliance.engine_process PROFILE`, its own process,
+The engine runs as `up` runs it (`python -m blink_appliance.engine.process PROFILE`, its own process,
 on a shared region this script creates as the daemon does); this process is the front end
 (EngineClient). Per mode and batch size B: B greedy requests (16-token prompts, ignore_eos,
 `--tokens` each) submitted together; the steady-state window runs from the moment every request
@@ -42,12 +42,12 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from blink_appliance.engine.request import SamplingParams  # noqa: E402
 from blink_appliance.profile import load_profile, ring_geometry  # noqa: E402
-from blink_appliance.transport.engine_client import EngineClient  # noqa: E402
-from blink_appliance.transport.region import RingRegion  # noqa: E402
-from blink_appliance.transport.ring_layout import EngineState, region_size  # noqa: E402
-from blink_appliance.transport.shm_transport import ShmTransport  # noqa: E402
+from blink_appliance.wire.client import EngineClient  # noqa: E402
+from blink_appliance.wire.region import RingRegion  # noqa: E402
+from blink_appliance.wire.request import SamplingParams  # noqa: E402
+from blink_appliance.wire.ring_layout import EngineState, region_size  # noqa: E402
+from blink_appliance.wire.shm_transport import ShmTransport  # noqa: E402
 
 PROMPT_LEN = 16
 
@@ -116,7 +116,7 @@ class CpuSampler:
 
 
 def start_engine(profile_path: Path, region: RingRegion, timeout_s: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "blink_appliance.engine_process", str(profile_path)])
+    proc = subprocess.Popen([sys.executable, "-m", "blink_appliance.engine.process", str(profile_path)])
     deadline = time.monotonic() + timeout_s
     while not (region.load("engine_epoch") >= 1 and region.load("engine_state") == EngineState.RUNNING):
         if proc.poll() is not None:
@@ -131,7 +131,7 @@ def start_engine(profile_path: Path, region: RingRegion, timeout_s: float) -> su
 def prompt_id_limit(source: str) -> int:
     """Prompt token ids are drawn below this (inside any real vocabulary; dummy presets are smaller)."""
     if source.startswith("dummy:"):
-        from blink_appliance.model.loaders.dummy import preset_config
+        from blink_appliance.model.presets import preset_config
 
         return min(1000, preset_config(source.removeprefix("dummy:")).vocab_size)
     return 1000

@@ -20,11 +20,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from blink_appliance.engine.device_commit import DeviceCommit  # noqa: E402
-from blink_appliance.engine.device_scheduler import DeviceScheduler  # noqa: E402
-from blink_appliance.engine.device_state import DeviceState  # noqa: E402
-from blink_appliance.model.gpu_forward import StepInputs  # noqa: E402
-from blink_appliance.transport.ring_layout import RingLayout  # noqa: E402
+from blink_appliance.engine.loop.commit import DeviceCommit  # noqa: E402
+from blink_appliance.engine.loop.scheduler import DeviceScheduler  # noqa: E402
+from blink_appliance.engine.loop.state import DeviceState  # noqa: E402
+from blink_appliance.model.step_inputs import StepInputs  # noqa: E402
+from blink_appliance.wire.ring_layout import RingLayout  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from loop_stress import RING, geometry  # noqa: E402

@@ -3,7 +3,7 @@
     python3 -m pip install -q --no-deps .whl/*.whl && python3 -m pip install -q --no-deps --no-build-isolation -e .
     PYTHONUNBUFFERED=1 python3 bench/loop_stress.py --out $OUT
 
-Everything runs in this process (engine/loop_rig.py): the loop over a mapped shared-memory ring and
+Everything runs in this process (bench/loop_rig.py): the loop over a mapped shared-memory ring and
 an EngineClient on the same ring, `dummy:tiny` fp32 unless --model says otherwise.
 
 1. kv-host / kv-loop: 64 greedy requests at once (16-token prompts, --tokens each) in the geometry
@@ -38,16 +38,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from blink_appliance.engine.device_loop import DeviceLoop  # noqa: E402
-from blink_appliance.engine.device_state import COUNTER_INDEX, LoopGeometry  # noqa: E402
-from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from blink_appliance.engine.loop_control import LoopControl  # noqa: E402
-from blink_appliance.engine.loop_rig import LoopRig  # noqa: E402
-from blink_appliance.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
+from bench.loop_rig import LoopRig  # noqa: E402
+from blink_appliance.engine.loop.control import LoopControl  # noqa: E402
+from blink_appliance.engine.loop.graph import DeviceLoop  # noqa: E402
+from blink_appliance.engine.loop.mapped_region import RingWords  # noqa: E402
+from blink_appliance.engine.loop.state import COUNTER_INDEX, LoopGeometry  # noqa: E402
+from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
-from blink_appliance.transport.engine_client import EngineBusyError  # noqa: E402
-from blink_appliance.transport.mapped_region import RingWords  # noqa: E402
-from blink_appliance.transport.ring_layout import EngineState, RingGeometry  # noqa: E402
+from blink_appliance.wire.client import EngineBusyError  # noqa: E402
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams  # noqa: E402
+from blink_appliance.wire.ring_layout import EngineState, RingGeometry  # noqa: E402
 
 PROMPT = 16
 

@@ -5,7 +5,7 @@
 An earlier session measured the full sampler (`DeviceSampler.full`) at about 3.8 ms a step for 64
 rows at V = 128256 (greedy: 29 us), where the docstring's estimate from its traffic is 0.1-0.2 ms.
 This finds which part costs it. Per case (a logit shape times a sampling mix, every row the same
-mix), after checking the sampled tokens against the reference sampler (engine/sampler.py):
+mix), after checking the sampled tokens against the reference sampler (engine/reference/sampler.py):
 - `greedy()` and `full()` captured as CUDA graphs (as the loop runs them), median replay time;
 - how many rows have their top-k / top-p cut past the 256 candidates, which sends them down the
   exact-cut path (counted on the host from the logits; ties at the candidates' edge left out);
@@ -37,9 +37,9 @@ from bench_forward import _ensure_kernels_importable  # noqa: E402
 
 _ensure_kernels_importable()
 
-from blink_appliance.engine.device_sampler import DeviceSampler  # noqa: E402
-from blink_appliance.engine.request import SamplingParams  # noqa: E402
-from blink_appliance.engine.sampler import SamplingTensors, sample  # noqa: E402
+from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
+from blink_appliance.engine.reference.sampler import SamplingTensors, sample  # noqa: E402
+from blink_appliance.wire.request import SamplingParams  # noqa: E402
 from tests.test_device_sampler import load_rows, make_state  # noqa: E402  (what schedule writes for the rows)
 
 MIXES: dict[str, dict] = {

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from blink_appliance.profile import ProfileError, load_profile, loop_geometry, resolve_plan, ring_geometry
+from blink_appliance.profile import ProfileError, load_profile, ring_geometry
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -19,8 +19,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from blink_appliance.daemon import ensure_model
+    from blink_appliance.engine.plan import resolve_plan
     from blink_appliance.model.loaders import load_checkpoint
-    from blink_appliance.transport.ring_layout import region_size
+    from blink_appliance.wire.ring_layout import region_size
 
     profile = load_profile(args.profile)
     m = profile.model
@@ -31,6 +32,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = resolve_plan(m, config)
     print(plan.describe())
     if profile.uses_loop:
+        from blink_appliance.engine.loop.geometry import loop_geometry
+
         g = loop_geometry(profile, plan, config)
         print(
             f"engine {profile.engine_mode}: the GPU loop, {g.num_slots} request slots, {g.max_num_seqs} sequences "
@@ -51,17 +54,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_pull(args: argparse.Namespace) -> int:
-    from blink_appliance.model.loaders import model_registry
+    from blink_appliance.model import registry
 
-    path = model_registry.pull(args.name)
+    path = registry.pull(args.name)
     print(path)
     return 0
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from blink_appliance.model.loaders import model_registry
+    from blink_appliance.model import registry
 
-    for entry in model_registry.list_models():
+    for entry in registry.list_models():
         print(entry)
     return 0
 

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from blink_appliance.processes import set_on_signals
 from blink_appliance.profile import Profile, ProfileError, ring_geometry
-from blink_appliance.stop_signals import set_on_signals
 
 if TYPE_CHECKING:
-    from blink_appliance.transport.region import RingRegion
+    from blink_appliance.wire.region import RingRegion
 
 log = logging.getLogger("blink_appliance.daemon")
 
@@ -51,10 +51,10 @@ def ensure_model(source: str, progress: Callable[[str], None] = say) -> None:
     """Pull a named model into the local cache now, so neither process downloads on its own."""
     if source.partition(":")[0] in ("hf", "gguf", "dummy"):
         return  # a local path or random weights: nothing to pull
-    from blink_appliance.model.loaders import model_registry
+    from blink_appliance.model import registry
 
-    if model_registry.is_named(source):
-        path = model_registry.pull(source)
+    if registry.is_named(source):
+        path = registry.pull(source)
         progress(f"model {source}: {path}")
 
 
@@ -106,9 +106,16 @@ class ApplianceDaemon:
         me = str(os.getpid())
         py = sys.executable
         self.engine = _Child(
-            "engine", [py, "-m", "blink_appliance.engine_process", str(profile_path), "--parent-pid", me]
+            "engine", [py, "-m", "blink_appliance.engine.process", str(profile_path), "--parent-pid", me]
         )
-        fe_argv = [py, "-m", "blink_appliance.dpu", str(profile_path), "--ready-file", str(self._ready_file)]
+        fe_argv = [
+            py,
+            "-m",
+            "blink_appliance.frontend",
+            str(profile_path),
+            "--ready-file",
+            str(self._ready_file),
+        ]
         fe_argv += ["--parent-pid", me]
         if host is not None:
             fe_argv += ["--host", host]
@@ -119,9 +126,9 @@ class ApplianceDaemon:
 
     # -- the whole life ---------------------------------------------------------------------------
     def run(self) -> int:
-        from blink_appliance.transport.region import RingRegion
-        from blink_appliance.transport.ring_layout import region_size
-        from blink_appliance.transport.shm_transport import RegionInUseError, ShmTransport
+        from blink_appliance.wire.region import RingRegion
+        from blink_appliance.wire.ring_layout import region_size
+        from blink_appliance.wire.shm_transport import RegionInUseError, ShmTransport
 
         set_on_signals(self._stop, (signal.SIGTERM, signal.SIGINT))
         ensure_model(self.profile.model.model_source)
@@ -153,7 +160,7 @@ class ApplianceDaemon:
             self._workdir.rmdir()
 
     def _start_engine(self, region: RingRegion) -> None:
-        from blink_appliance.transport.ring_layout import EngineState
+        from blink_appliance.wire.ring_layout import EngineState
 
         epoch = region.load("engine_epoch")
         self.engine.start()

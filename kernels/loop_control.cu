@@ -1,6 +1,6 @@
 // Control kernels of the device-resident engine loop (docs/device_loop.md, "graph").
 //
-// Compiled at run time with NVRTC (blink_appliance/engine/loop_control.py) and launched inside torch
+// Compiled at run time with NVRTC (blink_appliance/engine/loop/control.py) and launched inside torch
 // stream captures, so every launch becomes a kernel node of the loop's CUDA graph. Each kernel runs
 // on one thread: they move a few words, and the loop must not hold SMs it does not need.
 //

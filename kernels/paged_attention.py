@@ -18,9 +18,8 @@ Online softmax in fp32; keys are gathered per token through the block table, so 
 match the cache block size.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 a third grid axis cuts each program's key range into
-that many contiguous pieces, each written unnormalized (acc, running max, running sum) to fp32 partials;
-`_combine_splits_kernel` merges them. Decode steps have few query tokens and long key ranges; splitting
-puts more programs (more loads in flight) on the same bytes, which is what a latency-bound loop needs.
+that many contiguous pieces, each written unnormalized (acc, running max, running sum) to fp32 partials
+that kernels/split_kv.py merges.
 
 Fused RoPE (`FusedRope`): the kernel then also does kernels/rope.py's work, so the step has one kernel
 fewer per layer. q is read from the QKV output (or the sum of its split-K partials) and rotated as it
@@ -42,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 from blink_appliance.kernels.rope import join_halves, qkv_tile, rope_at, rope_halves
+from blink_appliance.kernels.split_kv import checked_partials, combine_splits
 
 _LOG2E = 1.4426950408889634
 
@@ -120,6 +120,29 @@ def _fresh_kv(
     v = _qkv_rows(qkv_ptr, parts_ptr, bias_ptr, tok, mask, v_col + tl.arange(0, HEAD_DIM)[None, :], qkv_stride,
                   part_stride, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PARTS, HAS_BIAS)  # fmt: skip
     return k, v.to(cdt)
+
+
+@triton.jit
+def _store_result(
+    out_ptr, partial_acc_ptr, partial_ml_ptr, acc, m_i, l_i, tok64, head, row_valid, split, num_tokens,
+    out_stride,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """The program's epilogue: its rows normalized into out, or (split-KV) unnormalized into the
+    partials: acc [NUM_SPLITS, T, num_heads, HEAD_DIM], (m, l) [NUM_SPLITS, T, num_heads, 2]."""
+    d = tl.arange(0, HEAD_DIM)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok64[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+    else:
+        row = (split * num_tokens + tok64) * NUM_HEADS + head
+        tl.store(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+        tl.store(partial_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(partial_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
 
 
 @triton.jit
@@ -260,54 +283,8 @@ def _paged_attention_kernel(
     m_i, l_i, acc = _attend_cached(q, q_pos, m_i, l_i, acc, blk, kv_lo, kv_hi, table, k_cache_ptr, v_cache_ptr,
                                    kv_head, qk_scale_log2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
                                    DOT_PRECISION)  # fmt: skip
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + tok64[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
-    else:
-        # partials: acc [NUM_SPLITS, T, num_heads, HEAD_DIM], (m, l) [NUM_SPLITS, T, num_heads, 2].
-        num_heads = NUM_KV_HEADS * GROUP
-        row = (split * num_tokens + tok64) * num_heads + head
-        tl.store(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
-        tl.store(partial_ml_ptr + row * 2, m_i, mask=row_valid)
-        tl.store(partial_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
-
-
-@triton.jit
-def _combine_splits_kernel(
-    partial_acc_ptr,
-    partial_ml_ptr,
-    out_ptr,
-    num_tokens,
-    out_stride,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    sp = tl.arange(0, SPLITS_PAD)
-    sp_in = sp < NUM_SPLITS
-    row = (sp * num_tokens + t) * NUM_HEADS + h
-    run_max = tl.load(partial_ml_ptr + row * 2, mask=sp_in, other=float("-inf"))
-    run_sum = tl.load(partial_ml_ptr + row * 2 + 1, mask=sp_in, other=0.0)
-    m_max = tl.max(run_max, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    # A split that saw no visible key for this row (max -inf) contributes nothing.
-    w = tl.where(run_max == float("-inf"), 0.0, tl.math.exp2(run_max - m_max))
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=sp_in[:, None], other=0.0)
-    total = tl.sum(w * run_sum, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + t * out_stride + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    _store_result(out_ptr, partial_acc_ptr, partial_ml_ptr, acc, m_i, l_i, tok64, head, row_valid, split,
+                  num_tokens, out_stride, NUM_HEADS, HEAD_DIM, NUM_SPLITS)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -379,7 +356,7 @@ def paged_attention(
     Every row of out is written (padding rows past query_start[S] get zeros).
     num_splits > 1 splits every key range (flash-decoding) and merges through `partials`: fp32 buffers
     with at least num_splits*T*num_heads*head_dim and num_splits*T*num_heads*2 elements
-    (`split_partials` allocates them; a captured step passes preallocated ones).
+    (kernels/split_kv.py's `split_partials` allocates them; a captured step passes preallocated ones).
     rope: do RoPE and this step's cache writes here (kernels/rope.py's `rope_and_cache_write` is then
     not run): q is the whole QKV output [T, (Hq + 2*Hkv) * head_dim] (or stands for the split-K
     partials in `rope.qkv_parts`), rotated as it is read, and the cache receives this step's K/V.
@@ -409,16 +386,7 @@ def paged_attention(
     if num_splits < 1:
         raise ValueError(f"paged_attention: num_splits must be >= 1, got {num_splits}")
     if num_splits > 1:
-        if partials is None:
-            partials = split_partials(num_splits, tokens, num_heads, head_dim, q.device)
-        acc_buf, ml_buf = partials
-        if (
-            acc_buf.numel() < num_splits * tokens * num_heads * head_dim
-            or ml_buf.numel() < num_splits * tokens * num_heads * 2
-        ):
-            raise ValueError("paged_attention: partials too small for this split count and T")
-        if acc_buf.dtype != torch.float32 or ml_buf.dtype != torch.float32:
-            raise ValueError("paged_attention: partials must be fp32")
+        acc_buf, ml_buf = checked_partials(partials, num_splits, tokens, num_heads, head_dim, q.device)
     else:
         acc_buf = ml_buf = out
     grid = attention_grid(tokens, num_seqs, block_q, num_kv_heads) + (num_splits,)
@@ -458,20 +426,7 @@ def paged_attention(
         launch_pdl=pdl,
     )
     if num_splits > 1:
-        _combine_splits_kernel[(tokens, num_heads)](
-            acc_buf,
-            ml_buf,
-            out,
-            tokens,
-            out.stride(0),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            USE_PDL=pdl,
-            num_warps=1 if head_dim <= 64 else 2,
-            launch_pdl=pdl,
-        )
+        combine_splits(acc_buf, ml_buf, out, tokens, num_heads, head_dim, num_splits, pdl)
     return out
 
 
@@ -491,12 +446,3 @@ def _rope_args(rope: FusedRope | None, q: torch.Tensor) -> tuple:
         tokens * width,
         rope.cos.shape[0],
     )
-
-
-def split_partials(
-    num_splits: int, num_tokens: int, num_heads: int, head_dim: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 scratch for split-KV attention: (acc, (max, sum)) per split, token and head."""
-    acc = torch.empty(num_splits * num_tokens * num_heads * head_dim, dtype=torch.float32, device=device)
-    ml = torch.empty(num_splits * num_tokens * num_heads * 2, dtype=torch.float32, device=device)
-    return acc, ml

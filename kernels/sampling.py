@@ -1,4 +1,4 @@
-"""Triton kernels of the device sampler (blink_appliance/engine/device_sampler.py).
+"""Triton kernels of the device sampler (blink_appliance/engine/loop/sampler.py).
 
 - `race`: the exponential race (Gumbel-max) over the kept tokens of every row, chunked over the
   vocabulary: each program writes its chunk's best (score, index); the caller reduces the chunks.
@@ -12,7 +12,7 @@ top-k and top-p each keep a prefix of the row in (value descending, index ascend
 intersection is a prefix, given by its last element (v_cut, i_cut); min-p keeps every token at or
 above a value.
 
-The uniforms are engine/rng.py's splitmix64 counter hash on uint64 lanes (wrapping multiply, logical
+The uniforms are engine/reference/rng.py's splitmix64 counter hash on uint64 lanes (wrapping multiply, logical
 shift), bit-for-bit the CPU definition.
 """
 
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-GAMMA = tl.constexpr(0x9E3779B97F4A7C15)  # engine/rng.py
+GAMMA = tl.constexpr(0x9E3779B97F4A7C15)  # engine/reference/rng.py
 INT64_MAX = 2**63 - 1
 
 

@@ -6,25 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from blink_appliance.bench import compare, compare_report
-from blink_appliance.bench.compare import (
-    Budget,
-    SystemRecord,
-    appliance_profile,
-    build_parser,
-    config_from_args,
-    core_layout,
-    interference_spec,
-    plan_systems,
-    run_system,
-)
+from bench import compare, compare_document, compare_plan, compare_report, compare_run
+from bench.compare import build_parser, config_from_args
+from bench.compare_plan import appliance_profile, core_layout, interference_spec, plan_systems
+from bench.compare_run import Budget, SystemRecord, run_system
+from blink_appliance.engine.loop.geometry import loop_geometry
+from blink_appliance.engine.plan import resolve_plan
 from blink_appliance.model.config import ModelConfig, RopeScaling
-from blink_appliance.profile import loop_geometry, parse_profile, resolve_plan
+from blink_appliance.profile import parse_profile
 
 try:
     import tomllib
@@ -52,7 +45,7 @@ def _cfg(*argv: str):
 
 
 def test_gpu_profiles_size_the_loop_for_64_concurrent_requests():
-    from blink_appliance.model.loaders.dummy import preset_config
+    from blink_appliance.model.presets import preset_config
 
     cfg = _cfg("--device", "cuda:0")
     assert cfg.model == "dummy:llama-3.2-1b" and cfg.dtype == "bfloat16" and cfg.modes == ("loop", "host")
@@ -98,9 +91,9 @@ def test_impossible_configurations_are_refused_before_anything_starts(argv, mess
 
 
 def test_hf_baseline_without_transformers_is_recorded_not_run(tmp_path, monkeypatch):
-    real = compare.importlib.util.find_spec
+    real = compare_plan.importlib.util.find_spec
     monkeypatch.setattr(
-        compare.importlib.util, "find_spec", lambda name: None if name == "transformers" else real(name)
+        compare_plan.importlib.util, "find_spec", lambda name: None if name == "transformers" else real(name)
     )
     cfg = _cfg("--device", "cpu", "--modes", "none", "--out-dir", str(tmp_path))
     (hf,) = plan_systems(cfg, core_layout([0, 1]), tmp_path)
@@ -135,15 +128,15 @@ def _run_fake(tmp_path, argv, monkeypatch) -> SystemRecord:
     import sys
 
     cfg = _cfg("--device", "cpu", "--out-dir", str(tmp_path))
-    plan = compare.SystemPlan(
+    plan = compare_plan.SystemPlan(
         "fake", "a fake server", (4.0,), cfg.appliance_runs, [sys.executable, "-c", argv]
     )
-    monkeypatch.setattr(compare, "_warm_up", lambda *args: [])
+    monkeypatch.setattr(compare_run, "_warm_up", lambda *args: [])
 
     def measure(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(compare, "_measure", measure)
+    monkeypatch.setattr(compare_run, "_measure", measure)
     rec = SystemRecord(plan)
     layout = core_layout([0, 1])
     run_system(
@@ -220,7 +213,7 @@ def _system(name: str, runs: dict[float, tuple[float, float, float]]) -> dict:
 
 
 def _doc(*systems: dict) -> dict:
-    cfg = compare.config_dict(_cfg("--device", "cuda:0"))
+    cfg = compare_document.config_dict(_cfg("--device", "cuda:0"))
     return {
         "kind": "blink-bench-compare", "date": "2026-11-23", "elapsed_s": 100.0, "argv": [], "config": cfg,
         "machine": {"gpu": {"name": "NVIDIA H100 80GB HBM3", "driver": "580"}, "cpu_model": "x", "cpus": 16,
@@ -275,10 +268,10 @@ def test_markdown_plot_and_rerender_from_the_json(tmp_path):
 
 # -- the HF baseline ---------------------------------------------------------------------------
 
-HAVE_TRANSFORMERS = compare.importlib.util.find_spec("transformers") is not None
+HAVE_TRANSFORMERS = compare_plan.importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is not installed")
 
-from blink_appliance.bench.hf_baseline import (  # noqa: E402
+from bench.hf_baseline import (  # noqa: E402
     BaselineState,
     CompletionAsk,
     Job,
@@ -404,8 +397,3 @@ def test_compare_toy_path_end_to_end(tmp_path):
     md = (tmp_path / "toy.md").read_text()
     assert "| 4/s | colocated | 4/0 |" in md and "**not measured**" in md
     assert (tmp_path / "toy.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_bench_compare_script_is_a_thin_entry():
-    text = (Path(__file__).resolve().parents[1] / "bench" / "compare.py").read_text()
-    assert "from blink_appliance.bench.compare import main" in text

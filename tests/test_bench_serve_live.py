@@ -1,6 +1,6 @@
 """`blink-appliance bench serve` end to end against a live appliance on the default CPU profile.
 
-One appliance (SmolLM2-135M, started with test_http_live.py's helpers) serves the module; runs are
+One appliance (SmolLM2-135M, started with tests/live_appliance.py's helpers) serves the module; runs are
 a few prompts with small lengths. The bench's counts are checked against the server's own
 Prometheus counters, not only against themselves.
 """
@@ -14,12 +14,12 @@ import urllib.request
 import pytest
 
 from blink_appliance.cli import main
-from tests.test_http_live import API_KEY, MODEL_NAME, smollm2_source, start_appliance  # noqa: F401 (fixture)
+from tests.live_appliance import API_KEY, MODEL_NAME, start_appliance
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory, smollm2_source: str):  # noqa: F811
-    pytest.importorskip("blink_appliance.engine.llm_engine", reason="the CPU engine has not landed")
+def live(tmp_path_factory: pytest.TempPathFactory, smollm2_source: str):
+    pytest.importorskip("blink_appliance.engine.reference.engine", reason="the CPU engine has not landed")
     app = start_appliance(tmp_path_factory.mktemp("bench-live"), smollm2_source)
     yield app
     code = app.stop()

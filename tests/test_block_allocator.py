@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blink_appliance.engine.block_allocator import BlockAllocator
+from blink_appliance.engine.reference.block_allocator import BlockAllocator
 
 
 def test_fresh_pool_hands_out_ascending_ids():

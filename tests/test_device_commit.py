@@ -1,4 +1,4 @@
-"""The commit kernel (kernels/commit.py via engine/device_commit.py) over a real shared ring region.
+"""The commit kernel (kernels/commit.py via engine/loop/commit.py) over a real shared ring region.
 
 The kernel writes into a tensor over the same bytes a RingRegion reads (the front end's view), so the
 checks read back what a front end would see. Without a GPU it runs under Triton's interpreter.
@@ -7,7 +7,10 @@ checks read back what a front end would see. Without a GPU it runs under Triton'
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,15 +19,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.engine.device_commit import DeviceCommit  # noqa: E402
-from blink_appliance.engine.device_state import (  # noqa: E402
+from blink_appliance.kernels.commit import commit_kernel  # noqa: E402
+
+from blink_appliance.engine.loop.commit import DeviceCommit  # noqa: E402
+from blink_appliance.engine.loop.state import (  # noqa: E402
     COUNTER_INDEX,
     DeviceState,
     LoopGeometry,
     SlotState,
 )
-from blink_appliance.transport.region import RingRegion  # noqa: E402
-from blink_appliance.transport.ring_layout import (  # noqa: E402
+from blink_appliance.wire.region import RingRegion  # noqa: E402
+from blink_appliance.wire.ring_layout import (  # noqa: E402
     FINAL_BIT,
     STEP_TIME_BOUNDS_US,
     ErrorCode,
@@ -32,7 +37,7 @@ from blink_appliance.transport.ring_layout import (  # noqa: E402
     RingLayout,
     step_time_bucket,
 )
-from tests.test_ring_support import shm_region  # noqa: E402
+from tests.ring_support import shm_region  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU region tensor; the GPU maps it (B1)")
 
@@ -246,3 +251,69 @@ def test_a_step_that_ran_a_forward_is_timed_into_the_histogram_an_idle_one_is_no
             assert step_us * 1000 <= got < step_us * 1000 + 300_000, step_us
             assert step_time_bucket(got) == bucket and int(state.step_time_hist[bucket]) == 1, step_us
         assert int(state.step_time_hist.sum()) == 4
+
+
+def test_arguments_are_bound_to_the_kernels_parameters_by_name():
+    """Every parameter of commit_kernel gets exactly one value by its name (Triton refuses unknown
+    names and missing ones); the codes come from their one definition."""
+    with shm_region(RING) as transport:
+        state = DeviceState.allocate(GEOMETRY, "cpu")
+        commit = DeviceCommit(GEOMETRY, state, region_tensor(transport), RingLayout.of(RING))
+        args, constexprs = commit._args, commit._constexprs
+        assert not set(args) & set(constexprs)
+        assert set(args) | set(constexprs) == set(commit_kernel.arg_names)
+        assert args["sampled_ptr"] is state.sampled and args["step_time_hist_ptr"] is state.step_time_hist
+        assert constexprs["SLOT"].FINISHING == SlotState.FINISHING
+        assert constexprs["COUNTER"].last_step_ns == COUNTER_INDEX["last_step_ns"]
+
+
+_COMPILE_FOR_H100 = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from blink_appliance.engine.loop.commit import DeviceCommit
+from blink_appliance.engine.loop.state import DeviceState, LoopGeometry
+from blink_appliance.kernels.commit import commit_kernel
+from blink_appliance.wire.ring_layout import RingGeometry, RingLayout
+
+geometry, ring_geometry = {geometry!r}, {ring!r}
+layout = RingLayout.of(ring_geometry)
+region = torch.zeros(layout.size, dtype=torch.uint8)
+commit = DeviceCommit(geometry, DeviceState.allocate(geometry, "cpu"), region, layout)
+types = {{torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32"}}
+constexprs = dict(commit._constexprs, ON_GPU=True)
+signature = {{}}
+for name in commit_kernel.arg_names:
+    if name in constexprs:
+        signature[name] = "constexpr"
+    else:
+        a = commit._args[name]
+        signature[name] = types[a.dtype] if isinstance(a, torch.Tensor) else "i32"
+compiled = triton.compile(
+    triton.compiler.ASTSource(fn=commit_kernel, signature=signature, constexprs=constexprs),
+    target=GPUTarget("cuda", 90, 32),
+    options={{"num_warps": 4}},
+)
+ptx = compiled.asm["ptx"]
+print("release", ptx.count("st.release.sys.global.u64"), "fence", ptx.count("fence.acq_rel.sys"),
+      "clock", ptx.count("%globaltimer"), "local", ptx.count(".local"))
+"""
+
+
+def test_kernel_compiles_for_the_h100():
+    """The GPU path (predicated release stores, system fences, %globaltimer) compiles for sm_90 here,
+    without a GPU. Run in a child process, since TRITON_INTERPRET is set in this one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    source = _COMPILE_FOR_H100.format(geometry=GEOMETRY, ring=RING)
+    done = subprocess.run(
+        [sys.executable, "-c", source], cwd=Path(__file__).parent.parent, env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if done.returncode and (
+        "ptxas" in done.stderr or "No module named 'triton.backends.nvidia" in done.stderr
+    ):
+        pytest.skip(f"no CUDA compiler backend in this install: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # count and done of the sampled rows and of the FINISHING slots; a fence before each of those
+    # publications' barriers; one clock read; no register spills.
+    assert done.stdout.split() == ["release", "4", "fence", "4", "clock", "1", "local", "0"], done.stdout

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from blink_appliance.engine.device_loop import (
+from blink_appliance.engine.loop.control import KERNELS, Backoff, kernel_source
+from blink_appliance.engine.loop.graph import (
     CaptureStep,
     RawGraph,
     SetSwitch,
@@ -22,7 +23,6 @@ from blink_appliance.engine.device_loop import (
     engine_body,
     plan_body,
 )
-from blink_appliance.engine.loop_control import KERNELS, Backoff, kernel_source
 
 HAVE_GPU_STACK = (
     torch.cuda.is_available()
@@ -125,7 +125,7 @@ def test_kernel_source_declares_the_device_graph_api_and_every_kernel():
 def test_mapped_region_refuses_a_cpu_device():
     import numpy as np
 
-    from blink_appliance.transport.mapped_region import MappedRegion
+    from blink_appliance.engine.loop.mapped_region import MappedRegion
 
     with pytest.raises(ValueError, match="CUDA device"):
         MappedRegion(np.zeros(64, dtype=np.uint8), "cpu")
@@ -137,10 +137,10 @@ def ring():
     """A small shared-memory ring, mapped into the GPU: (RingRegion, RingWords)."""
     import os
 
-    from blink_appliance.transport.mapped_region import MappedRegion, RingWords
-    from blink_appliance.transport.region import RingRegion
-    from blink_appliance.transport.ring_layout import RingGeometry, region_size
-    from blink_appliance.transport.shm_transport import ShmTransport
+    from blink_appliance.engine.loop.mapped_region import MappedRegion, RingWords
+    from blink_appliance.wire.region import RingRegion
+    from blink_appliance.wire.ring_layout import RingGeometry, region_size
+    from blink_appliance.wire.shm_transport import ShmTransport
 
     geometry = RingGeometry(
         request_slots=8, arena_tokens=256, max_prompt_tokens=64, max_inflight=4, max_output_tokens=16
@@ -158,7 +158,7 @@ def ring():
 
 @pytest.fixture(scope="module")
 def control():
-    from blink_appliance.engine.loop_control import LoopControl
+    from blink_appliance.engine.loop.control import LoopControl
 
     return LoopControl("cuda")
 
@@ -180,7 +180,7 @@ def test_mapped_ring_words_cross_both_ways(ring):
 @gpu
 @needs_gpu
 def test_while_loop_runs_until_its_condition_drops(ring, control):
-    from blink_appliance.engine.device_loop import DeviceLoop
+    from blink_appliance.engine.loop.graph import DeviceLoop
 
     _, words = ring
     n = 1000
@@ -201,11 +201,12 @@ def test_while_loop_runs_until_its_condition_drops(ring, control):
 @gpu
 @needs_gpu
 def test_switches_route_to_real_forward_bucket_graphs(ring, control):
-    from blink_appliance.engine.cuda_graphs import ForwardGraphs
-    from blink_appliance.engine.device_loop import DeviceLoop
-    from blink_appliance.model.gpu_forward import GpuForward, GpuWeights
+    from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
+    from blink_appliance.engine.loop.graph import DeviceLoop
+    from blink_appliance.model.gpu_forward import GpuForward
+    from blink_appliance.model.gpu_weights import GpuWeights
     from blink_appliance.model.kv_cache import PagedKVCache
-    from blink_appliance.model.loaders.dummy import preset_config
+    from blink_appliance.model.presets import preset_config
     from tests.model_helpers import PagedSequences
 
     _, words = ring
@@ -280,7 +281,7 @@ def test_switches_route_to_real_forward_bucket_graphs(ring, control):
 @gpu
 @needs_gpu
 def test_idle_loop_wakes_on_a_host_write_and_stops_on_shutdown(ring, control):
-    from blink_appliance.engine.device_loop import DeviceLoop
+    from blink_appliance.engine.loop.graph import DeviceLoop
 
     region, words = ring
     iterations = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -339,7 +340,7 @@ def _loop_prompt(i: int, length: int) -> list[int]:
 
 
 def _loop_geometry(max_stop_ids: int):
-    from blink_appliance.engine.device_state import LoopGeometry
+    from blink_appliance.engine.loop.state import LoopGeometry
 
     return LoopGeometry(
         num_slots=6, buckets=(4, 16), max_stop_ids=max_stop_ids, vocab_size=512, eos_token_ids=(2,),
@@ -353,17 +354,17 @@ def _serve_workload(host_steps: bool) -> dict[str, list[int]]:
     import asyncio
     import os
 
-    from blink_appliance.engine.device_loop import DeviceLoop
-    from blink_appliance.engine.loop_control import LoopControl
-    from blink_appliance.engine.loop_step import LoopStep
-    from blink_appliance.engine.request import FinishReason, SamplingParams
-    from blink_appliance.model.gpu_forward import GpuWeights
+    from blink_appliance.engine.loop.control import LoopControl
+    from blink_appliance.engine.loop.graph import DeviceLoop
+    from blink_appliance.engine.loop.mapped_region import MappedRegion, RingWords
+    from blink_appliance.engine.loop.step import LoopStep
+    from blink_appliance.model.gpu_weights import GpuWeights
     from blink_appliance.model.loaders import load_checkpoint
-    from blink_appliance.transport.engine_client import EngineClient
-    from blink_appliance.transport.mapped_region import MappedRegion, RingWords
-    from blink_appliance.transport.region import RingRegion
-    from blink_appliance.transport.ring_layout import EngineState, RingGeometry, RingLayout, region_size
-    from blink_appliance.transport.shm_transport import ShmTransport
+    from blink_appliance.wire.client import EngineClient
+    from blink_appliance.wire.region import RingRegion
+    from blink_appliance.wire.request import FinishReason, SamplingParams
+    from blink_appliance.wire.ring_layout import EngineState, RingGeometry, RingLayout, region_size
+    from blink_appliance.wire.shm_transport import ShmTransport
 
     ring_geometry = RingGeometry(**LOOP_RING)
     ckpt = load_checkpoint("dummy:tiny", seed=0)
@@ -450,12 +451,12 @@ def _serve_workload(host_steps: bool) -> dict[str, list[int]]:
 @gpu
 @needs_gpu
 @pytest.mark.skipif(
-    importlib.util.find_spec("blink_appliance.engine.loop_step") is None, reason="LoopStep not present"
+    importlib.util.find_spec("blink_appliance.engine.loop.step") is None, reason="LoopStep not present"
 )
 def test_engine_loop_greedy_streams_equal_host_steps_and_the_reference_engine():
-    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
-    from blink_appliance.engine.request import Request, SamplingParams
+    from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
     from blink_appliance.model.loaders import build_model, load_checkpoint
+    from blink_appliance.wire.request import Request, SamplingParams
 
     model = build_model(load_checkpoint("dummy:tiny", seed=0), torch.float32, "cpu")
     reference = {}

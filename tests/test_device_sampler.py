@@ -1,4 +1,4 @@
-"""The device sampler (engine/device_sampler.py) against the reference sampler (engine/sampler.py).
+"""The device sampler (engine/loop/sampler.py) against the reference sampler (engine/reference/sampler.py).
 
 Without a GPU its Triton kernels run under the interpreter on the CPU. Every test compares, row by
 row, state.sampled with engine/sampler.sample() over the same logits and parameters.
@@ -14,10 +14,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.engine.device_sampler import DeviceSampler  # noqa: E402
-from blink_appliance.engine.device_state import DeviceState, LoopGeometry  # noqa: E402
-from blink_appliance.engine.request import SamplingParams  # noqa: E402
-from blink_appliance.engine.sampler import SamplingTensors, sample  # noqa: E402
+from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
+from blink_appliance.engine.loop.state import DeviceState, LoopGeometry  # noqa: E402
+from blink_appliance.engine.reference.sampler import SamplingTensors, sample  # noqa: E402
+from blink_appliance.wire.request import SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

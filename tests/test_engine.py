@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
-from blink_appliance.engine.request import FinishReason, Request, SamplingParams
+from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
 from blink_appliance.model.loaders import build_model, load_checkpoint
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,16 +1,17 @@
-"""The helpers every ring engine shares (engine_lifecycle.py): epochs, recovery, terminals, drain,
-the engine's own shutdown request, heartbeat. Over a real shared-memory region."""
+"""The helpers every ring engine shares (wire/lifecycle.py): epochs, recovery, terminals, drain,
+the engine's own shutdown request, heartbeat, the servers' common life cycle. Over a real
+shared-memory region."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from blink_appliance.engine.request import FinishReason
-from blink_appliance.transport.engine_lifecycle import (
+from blink_appliance.wire.lifecycle import (
     ENGINE_SHUTDOWN_REQUEST,
     FrontendWatch,
     Heartbeat,
+    ServerLifecycle,
     Throttle,
     begin_epoch,
     drain_ring,
@@ -20,9 +21,10 @@ from blink_appliance.transport.engine_lifecycle import (
     withdraw_shutdown_request,
     write_terminal,
 )
-from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import FINAL_BIT, FINISH_CODES, EngineState, ErrorCode
-from tests.test_ring_support import SMALL, RawProducer, shm_region
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.request import FinishReason
+from blink_appliance.wire.ring_layout import FINAL_BIT, FINISH_CODES, EngineState, ErrorCode
+from tests.ring_support import SMALL, RawProducer, shm_region
 
 
 def _region(transport) -> RingRegion:
@@ -127,6 +129,50 @@ def test_heartbeat_advances_until_stopped():
         last = r.load("engine_heartbeat_ns")
         time.sleep(0.05)
         assert r.load("engine_heartbeat_ns") == last
+        beat.start()  # a server that runs again beats again
+        deadline = time.monotonic() + 5
+        while r.load("engine_heartbeat_ns") == last:
+            assert time.monotonic() < deadline, "restarted heartbeat did not advance"
+            time.sleep(0.005)
+        beat.stop()
+
+
+def test_server_lifecycle_takes_the_region_marks_its_states_and_throttles_telemetry():
+    with shm_region() as transport:
+        r = _region(transport)
+        producer = RawProducer(r)
+        orphan = producer.publish([5, 6])
+        _consume(r, 1)  # taken by an engine epoch that died
+        queued = producer.publish([7])
+        values = {"generated_tokens": 7}
+        lifecycle = ServerLifecycle(
+            r,
+            lambda: dict(values),
+            heartbeat_interval_s=0.01,
+            telemetry_interval_s=3600.0,
+            frontend_timeout_s=5.0,
+        )
+        lifecycle.begin()
+        assert r.load("engine_epoch") == 1 and r.load("engine_state") == EngineState.STARTING
+        assert r.load_progress(orphan[0], "done") == orphan[1]
+        assert int(r.read_status(orphan[0])["error_code"]) == ErrorCode.ENGINE_RESTARTED
+        assert r.load_progress(queued[0], "done") != queued[1]  # the new epoch serves it
+        assert r.load("engine_heartbeat_ns") > 0
+        telemetry = r.read_telemetry()
+        assert telemetry["generated_tokens"] == 7 and telemetry["updated_ns"] > 0
+        lifecycle.serving()
+        assert r.load("engine_state") == EngineState.RUNNING
+        values["generated_tokens"] = 8
+        lifecycle.maybe_write_telemetry()  # due: the first call
+        assert r.read_telemetry()["generated_tokens"] == 8
+        values["generated_tokens"] = 9
+        lifecycle.maybe_write_telemetry()  # not due again within the hour
+        assert r.read_telemetry()["generated_tokens"] == 8
+        lifecycle.stopped()  # the last telemetry, whatever the throttle says
+        assert r.read_telemetry()["generated_tokens"] == 9
+        assert r.load("engine_state") == EngineState.STOPPED
+        lifecycle.failed()
+        assert r.load("engine_state") == EngineState.FAILED
 
 
 def test_frontend_watch_reports_a_still_word_once_a_timeout_and_a_moving_one_never():

@@ -1,4 +1,4 @@
-"""The engine process's CPU pinning (blink_appliance/engine_process.py, `appliance.engine_cpus`)."""
+"""The engine process's CPU pinning (blink_appliance/engine/process.py, `appliance.engine_cpus`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from blink_appliance.engine_process import pin_cpus
+from blink_appliance.processes import pin_cpus
 from blink_appliance.profile import ProfileError
 
 
@@ -19,7 +19,7 @@ def test_pinning_sizes_torch_threads_to_the_pinned_cpus():
     cpu = min(os.sched_getaffinity(0))
     code = (
         "import os, torch\n"
-        "from blink_appliance.engine_process import pin_cpus\n"
+        "from blink_appliance.processes import pin_cpus\n"
         "torch.set_num_threads(2)  # what import gives on a 2-CPU host, whatever this host has\n"
         f"pin_cpus([{cpu}], 'appliance.engine_cpus')\n"
         "print(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))\n"
@@ -31,4 +31,4 @@ def test_pinning_sizes_torch_threads_to_the_pinned_cpus():
 
 def test_a_cpu_list_the_host_cannot_take_names_the_key():
     with pytest.raises(ProfileError, match=r"appliance.engine_cpus: cannot pin to CPUs \[100000\]"):
-        pin_cpus([100000], "appliance.engine_cpus")
+        pin_cpus([100000], "appliance.engine_cpus", ProfileError)

@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType as Q
 
 from blink_appliance.model.kv_cache import PagedKVCache
 from blink_appliance.model.loaders import build_model, load_checkpoint
-from blink_appliance.model.loaders.gguf_loader import load_gguf, load_gguf_tokenizer, unpermute_rope_rows
+from blink_appliance.model.loaders.gguf_loader import load_gguf, unpermute_rope_rows
+from blink_appliance.model.tokenizer import Tokenizer
 from tests.gguf_helpers import permute_rope_rows, write_gguf
 from tests.model_helpers import PagedSequences
 
@@ -141,7 +142,7 @@ def test_missing_file_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_gguf(missing)
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
-        load_gguf_tokenizer(missing)
+        Tokenizer.from_gguf(missing)
 
 
 def test_not_a_gguf_is_a_clear_error(tmp_path):

@@ -17,14 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.model.gpu_forward import (  # noqa: E402
-    GpuForward,
-    GpuWeights,
-    attention_config,
-    decode_gemms,
-    deterministic_gemms,
-)
+from blink_appliance.model.gpu_forward import GpuForward  # noqa: E402
+from blink_appliance.model.gpu_weights import GpuWeights  # noqa: E402
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
+from blink_appliance.model.launch_plans import attention_config, decode_gemms, deterministic_gemms  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
 from tests.model_helpers import PagedSequences  # noqa: E402
 
@@ -163,7 +159,7 @@ def test_load_batch_refuses_what_does_not_fit():
 # (8, 32): the 17-64 plan; (8, 72): the mixed steps land in bucket 72, the 65-128 plan (gated gate+up).
 @pytest.mark.parametrize("buckets", [(8, BUCKET), (8, 72)])
 def test_captured_graphs_match_reference(dtype, buckets):
-    from blink_appliance.engine.cuda_graphs import ForwardGraphs
+    from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 
     ckpt = load_checkpoint("dummy:smollm2-135m", seed=5)
     cfg = ckpt.config
@@ -206,7 +202,7 @@ def test_captured_graphs_match_reference(dtype, buckets):
 def test_deterministic_plan_gives_the_same_bits_every_run(bucket):
     """`deterministic_gemms` (profile engine.deterministic): no atomics, so the same step replayed gives
     bit-identical logits (the default plan adds split-K slices in whatever order they finish)."""
-    from blink_appliance.engine.cuda_graphs import ForwardGraphs
+    from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 
     ckpt = load_checkpoint("dummy:smollm2-135m", seed=5)
     cfg = ckpt.config

@@ -10,12 +10,12 @@ import time
 import aiohttp
 import pytest
 
-from tests.test_http_live import MODEL_NAME, smollm2_source, start_appliance  # noqa: F401 (fixture)
+from tests.live_appliance import MODEL_NAME, start_appliance
 
 
 @pytest.mark.slow
-async def test_sigterm_drains_inflight_then_exits_zero(tmp_path, smollm2_source):  # noqa: F811
-    pytest.importorskip("blink_appliance.engine.llm_engine", reason="the CPU engine has not landed")
+async def test_sigterm_drains_inflight_then_exits_zero(tmp_path, smollm2_source):
+    pytest.importorskip("blink_appliance.engine.reference.engine", reason="the CPU engine has not landed")
     live = await asyncio.to_thread(start_appliance, tmp_path, smollm2_source, drain_timeout_s=60.0)
     try:
         body = {

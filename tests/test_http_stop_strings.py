@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blink_appliance.dpu.stop_strings import StopStringMatcher
+from blink_appliance.frontend.stop_strings import StopStringMatcher
 from hypothesis import example, given
 from hypothesis import strategies as st
 

@@ -10,13 +10,17 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
-from blink_appliance.dpu.app import create_app
-from blink_appliance.dpu.completion_service import CompletionService, ServiceLimits
-from blink_appliance.dpu.metrics import ServingMetrics
-from blink_appliance.dpu.token_id_vocabulary import TokenIdVocabulary, token_id_vocabulary_for, token_ids_text
+from blink_appliance.frontend.app import create_app
+from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
+from blink_appliance.frontend.metrics import ServingMetrics
+from blink_appliance.frontend.token_id_vocabulary import (
+    TokenIdVocabulary,
+    token_id_vocabulary_for,
+    token_ids_text,
+)
 
-from blink_appliance.engine.request import FinishReason, SamplingParams, TokenEvent
 from blink_appliance.model.detokenizer import IncrementalDetokenizer
+from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
 
 MODEL = "tiny"
 VOCAB = 512

@@ -1,10 +1,7 @@
-"""The GPU loop's ring server (engine/loop_engine_server.py).
-
-Life-cycle paths (epoch and recovery, RUNNING, heartbeat, telemetry from the loop's counters, stop by
-event or by the ring's word, queued records drained, failure) run here with stand-ins for the token
-path that do only what the kernels do at those edges: end the loop once the shutdown word is set,
-take a record, raise. The served path itself (the real LoopStep under the Triton interpreter, greedy
-tokens equal to the CPU reference engine) is tested further down.
+"""The GPU loop's ring server (engine/loop/server.py): the served path. The real LoopStep in mode
+"host" (on the CPU under the Triton interpreter), and on a GPU also in mode "loop", streams greedy
+tokens equal to the CPU reference engine's; cancel, shutdown and the engine process's SIGTERM end
+requests the way the protocol says. Its life cycle with stand-ins is tests/test_loop_engine_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -22,336 +19,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the loop's kernels run on the CPU under the interpreter
 
-from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState
-from blink_appliance.engine.loop_engine_server import LoopEngineServer, LoopSnapshot, telemetry_values
-from blink_appliance.engine.request import FinishReason
-from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import FINISH_CODES, STEP_TIME_FIELDS, EngineState, ErrorCode
-from tests.test_ring_support import SMALL, RawProducer, shm_region
-
-GEOMETRY = LoopGeometry(
-    num_slots=4,
-    max_num_seqs=2,
-    max_num_batched_tokens=8,
-    buckets=(8,),
-    block_size=4,
-    num_kv_blocks=16,
-    max_model_len=32,
-    max_stop_ids=SMALL.max_stop_ids,
-    vocab_size=512,
-    eos_token_ids=(2,),
-)
-
-
-@contextlib.contextmanager
-def shm_region_named(name: str, geometry):
-    from blink_appliance.transport.ring_layout import region_size
-    from blink_appliance.transport.shm_transport import ShmTransport
-
-    transport = ShmTransport.create(name, region_size(geometry))
-    try:
-        RingRegion.create(transport, geometry)
-        yield transport
-    finally:
-        transport.close()
-
-
-def _state() -> DeviceState:
-    return DeviceState.allocate(GEOMETRY, "cpu")
-
-
-def _take_record(region: RingRegion) -> None:
-    """What schedule does when it admits a record: consume it and release its prompt."""
-    tail = region.load("req_tail")
-    record = region.read_record(tail)[0]
-    region.store("arena_tail", int(record["arena_end"]))
-    region.store("req_tail", tail + 1)
-
-
-def _status(region: RingRegion, slot: int) -> tuple[FinishReason, ErrorCode]:
-    status = region.read_status(slot)
-    reason = {v: k for k, v in FINISH_CODES.items()}[int(status["finish_reason"])]
-    return reason, ErrorCode(int(status["error_code"]))
-
-
-class EndsOnShutdown:
-    """host_step stand-in: the loop's reaction to the ring's shutdown word (keep_running = 0)."""
-
-    def __init__(self, region: RingRegion, state: DeviceState, fail_after: int | None = None) -> None:
-        self.region, self.state, self.fail_after = region, state, fail_after
-        self.calls = 0
-
-    def __call__(self) -> None:
-        self.calls += 1
-        if self.fail_after is not None and self.calls > self.fail_after:
-            raise RuntimeError("kernel exploded")
-        if self.region.load("shutdown"):
-            self.state.keep_running.fill_(0)
-
-
-class ThreadLoop:
-    """DeviceLoop stand-in: 'runs' from launch until it sees the shutdown word (or fails)."""
-
-    def __init__(self, region: RingRegion, state: DeviceState) -> None:
-        self.region, self.state = region, state
-        self.error: str | None = None
-        self.launched = self.closed = False
-        self._thread = threading.Thread(target=self._body, daemon=True)
-
-    def _body(self) -> None:
-        while not self.region.load("shutdown") and self.error is None:
-            time.sleep(0.001)
-        self.state.keep_running.fill_(0)
-
-    def launch(self) -> None:
-        self.launched = True
-        self._thread.start()
-
-    def running(self) -> bool:
-        if self.error is not None:
-            raise RuntimeError(self.error)
-        return self._thread.is_alive()
-
-    def join(self, timeout_s: float | None = None) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _serve(server: LoopEngineServer, stop: threading.Event) -> tuple[threading.Thread, list[BaseException]]:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            server.run(stop)
-        except BaseException as exc:  # surfaced by the test
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, errors
-
-
-def _wait(predicate, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
-
-
-# -- pieces ---------------------------------------------------------------------------------------
-def test_telemetry_values_from_a_loop_snapshot():
-    counters = [0] * len(COUNTER_INDEX)
-    counters[COUNTER_INDEX["generated_tokens"]] = 77
-    counters[COUNTER_INDEX["steps"]] = 9
-    counters[COUNTER_INDEX["requests_cancelled"]] = 2
-    counters[COUNTER_INDEX["last_step_ns"]] = 1_500_000
-    slots = [SlotState.RUNNING, SlotState.WAITING, SlotState.RUNNING, SlotState.FREE]
-    step_times = list(range(len(STEP_TIME_FIELDS)))
-    values = telemetry_values(counters, slots, free_top=10, num_kv_blocks=16, step_times=step_times)
-    assert (values["running"], values["waiting"]) == (2, 1)
-    assert (values["kv_blocks_used"], values["kv_blocks_total"]) == (6, 16)
-    assert (values["generated_tokens"], values["steps"], values["requests_cancelled"]) == (77, 9, 2)
-    assert "step_tokens" not in values  # a loop counter the ring's telemetry has no word for
-    assert values["last_step_ns"] == 1_500_000
-    assert [values[f] for f in STEP_TIME_FIELDS] == step_times
-
-
-def test_snapshot_copies_counters_slots_and_free_top():
-    state = _state()
-    state.counters[COUNTER_INDEX["loop_iterations"]] = 5
-    state.slot_state[1] = SlotState.WAITING
-    state.free_top.fill_(3)
-    state.step_time_hist[2] = 7
-    snap = LoopSnapshot(state)
-    counters, slots, free_top, step_times = snap.read()
-    assert counters[COUNTER_INDEX["loop_iterations"]] == 5 and slots[1] == SlotState.WAITING and free_top == 3
-    assert step_times[2] == 7 and sum(step_times) == 7
-    state.free_top.fill_(4)
-    assert snap.read()[2] == 4  # a fresh copy each time
-
-
-def test_modes_need_their_token_path():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        with pytest.raises(ValueError, match="mode 'loop' needs the built DeviceLoop"):
-            LoopEngineServer(region, _state(), GEOMETRY, mode="loop")
-        with pytest.raises(ValueError, match="mode 'host' needs host_step"):
-            LoopEngineServer(region, _state(), GEOMETRY, mode="host")
-
-
-# -- life cycle, mode "host" -------------------------------------------------------------------------
-def test_host_mode_takes_the_region_publishes_telemetry_and_stops_on_the_stop_event():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        producer = RawProducer(region)
-        orphan = producer.publish([5, 6])  # taken by an engine epoch that died
-        _take_record(region)
-        state = _state()
-        state.counters[COUNTER_INDEX["generated_tokens"]] = 42
-        state.slot_state[0] = SlotState.RUNNING
-        state.free_top.fill_(GEOMETRY.num_kv_blocks - 3)
-        server = LoopEngineServer(
-            region,
-            state,
-            GEOMETRY,
-            mode="host",
-            host_step=EndsOnShutdown(region, state),
-            clock_offset_ns=lambda: 12345,
-            heartbeat_interval_s=0.01,
-            telemetry_interval_s=0.01,
-        )
-        stop = threading.Event()
-        thread, errors = _serve(server, stop)
-        _wait(lambda: region.load("engine_state") == EngineState.RUNNING, "server did not start")
-        assert region.load("engine_epoch") == 1
-        assert region.load_progress(orphan[0], "done") == orphan[1]
-        assert _status(region, orphan[0]) == (FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED)
-        assert int(state.clock_offset_ns[0]) == 12345
-        telemetry = region.read_telemetry()
-        assert telemetry["generated_tokens"] == 42 and telemetry["running"] == 1
-        assert (telemetry["kv_blocks_used"], telemetry["kv_blocks_total"]) == (3, GEOMETRY.num_kv_blocks)
-        beat = region.load("engine_heartbeat_ns")
-        _wait(lambda: region.load("engine_heartbeat_ns") != beat, "heartbeat did not advance")
-        state.counters[COUNTER_INDEX["generated_tokens"]] = 50
-        _wait(lambda: region.read_telemetry()["generated_tokens"] == 50, "telemetry did not refresh")
-
-        queued = producer.publish([7, 8, 9])  # the stand-in never admits it
-        stop.set()
-        t0 = time.monotonic()
-        thread.join(5)
-        assert not thread.is_alive() and not errors, errors
-        assert time.monotonic() - t0 < 1.0
-        assert region.load("engine_state") == EngineState.STOPPED
-        assert region.load_progress(queued[0], "done") == queued[1]
-        assert _status(region, queued[0]) == (FinishReason.ABORT, ErrorCode.SHUTDOWN)
-        assert (server.report.drained_records, server.report.left_open) == (1, 0)
-        assert region.load("req_tail") == region.load("req_head")
-        assert region.load("shutdown") == 0  # its own request withdrawn: a next epoch may serve
-
-
-def test_a_shutdown_word_from_the_daemon_stops_it_and_stays():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        state = _state()
-        server = LoopEngineServer(
-            region, state, GEOMETRY, mode="host", host_step=EndsOnShutdown(region, state)
-        )
-        thread, errors = _serve(server, threading.Event())
-        _wait(lambda: region.load("engine_state") == EngineState.RUNNING, "server did not start")
-        region.store("shutdown", 1)
-        thread.join(5)
-        assert not thread.is_alive() and not errors
-        assert region.load("engine_state") == EngineState.STOPPED and region.load("shutdown") == 1
-
-
-def test_host_mode_failure_marks_failed_and_fails_what_the_loop_held():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        producer = RawProducer(region)
-        held, queued = producer.publish([1, 2]), producer.publish([3])
-        calls = []
-
-        def admit_one_then_fail() -> None:
-            calls.append(1)
-            if len(calls) == 1:
-                _take_record(region)  # schedule admitted `held` into a slot
-                return
-            raise RuntimeError("kernel exploded")
-
-        server = LoopEngineServer(region, _state(), GEOMETRY, mode="host", host_step=admit_one_then_fail)
-        thread, errors = _serve(server, threading.Event())
-        thread.join(5)
-        assert len(errors) == 1 and "kernel exploded" in str(errors[0])
-        assert region.load("engine_state") == EngineState.FAILED
-        assert region.load_progress(held[0], "done") == held[1]
-        assert _status(region, held[0]) == (FinishReason.ERROR, ErrorCode.ENGINE_FAILURE)
-        assert server.report.failed_requests == 1
-        assert region.load_progress(queued[0], "done") != queued[1]  # queued: the next epoch serves it
-        assert region.load("req_tail") == 1
-
-
-def test_a_loop_that_ends_without_shutdown_is_a_failure():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        state = _state()
-
-        def ends_by_itself() -> None:
-            state.keep_running.fill_(0)
-
-        held = RawProducer(region).publish([1])
-        server = LoopEngineServer(region, state, GEOMETRY, mode="host", host_step=ends_by_itself)
-        thread, errors = _serve(server, threading.Event())
-        thread.join(5)
-        assert len(errors) == 1 and "without a shutdown request" in str(errors[0])
-        assert region.load("engine_state") == EngineState.FAILED
-        assert region.load_progress(held[0], "done") != held[1]  # still queued: the next epoch serves it
-
-
-# -- life cycle, mode "loop" --------------------------------------------------------------------------
-def test_loop_mode_launches_once_watches_and_stops_through_the_ring():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        state = _state()
-        loop = ThreadLoop(region, state)
-        server = LoopEngineServer(
-            region, state, GEOMETRY, mode="loop", device_loop=loop, heartbeat_interval_s=0.01
-        )
-        stop = threading.Event()
-        thread, errors = _serve(server, stop)
-        _wait(lambda: region.load("engine_state") == EngineState.RUNNING, "server did not start")
-        assert loop.launched
-        beat = region.load("engine_heartbeat_ns")
-        _wait(lambda: region.load("engine_heartbeat_ns") != beat, "heartbeat did not advance")
-        stop.set()
-        _wait(lambda: not thread.is_alive(), "server did not stop", timeout=10.0)
-        assert not errors, errors
-        assert int(state.keep_running[0]) == 0  # the loop saw the word the server wrote
-        assert region.load("engine_state") == EngineState.STOPPED
-        assert region.load("shutdown") == 0
-
-
-def test_loop_mode_failure_of_the_loop_marks_failed_and_fails_held_requests():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        state = _state()
-        loop = ThreadLoop(region, state)
-        server = LoopEngineServer(region, state, GEOMETRY, mode="loop", device_loop=loop)
-        thread, errors = _serve(server, threading.Event())
-        _wait(lambda: region.load("engine_state") == EngineState.RUNNING, "server did not start")
-        held = RawProducer(region).publish([1, 2])
-        _take_record(region)
-        loop.error = "CUDA error: an illegal memory access was encountered"
-        thread.join(5)
-        assert len(errors) == 1 and "illegal memory access" in str(errors[0])
-        assert region.load("engine_state") == EngineState.FAILED
-        assert region.load_progress(held[0], "done") == held[1]
-        assert _status(region, held[0]) == (FinishReason.ERROR, ErrorCode.ENGINE_FAILURE)
-        assert server.report.failed_requests == 1
-
-
-def test_a_lost_front_end_gets_its_requests_cancelled_through_the_ring():
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        state = _state()
-        loop = ThreadLoop(region, state)
-        server = LoopEngineServer(
-            region, state, GEOMETRY, mode="loop", device_loop=loop, frontend_timeout_s=0.05,
-            heartbeat_interval_s=0.01,
-        )  # fmt: skip
-        producer = RawProducer(region)
-        slots = [producer.publish([4]) for _ in range(3)]
-        stop = threading.Event()
-        thread, errors = _serve(server, stop)
-        _wait(
-            lambda: all(region.load_ctl(slot, "cancel") == gen for slot, gen in slots),
-            "the stale front end's requests were not cancelled",
-        )
-        stop.set()
-        thread.join(5)
-        assert not errors, errors
+from blink_appliance.engine.loop.server import LoopEngineServer
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.request import FinishReason
+from blink_appliance.wire.ring_layout import EngineState
+from tests.ring_support import serve_in_thread, shm_region
 
 
 # -- the served path: the real loop (LoopStep) in mode "host" under the Triton interpreter -----------
@@ -383,11 +55,13 @@ def served_tiny_loop(device: str = "cpu", profile_limits: dict | None = None, **
     with tests/test_loop_step.py's ReferenceStepForward): the interpreted Triton forward takes seconds
     a step, and build_loop_server's CPU path is covered by the engine-process test below.
     """
-    from blink_appliance.engine.loop_engine_server import build_loop_server
-    from blink_appliance.engine.loop_step import LoopStep
+    from blink_appliance.engine.loop.geometry import loop_geometry
+    from blink_appliance.engine.loop.server import build_loop_server
+    from blink_appliance.engine.loop.step import LoopStep
+    from blink_appliance.engine.plan import resolve_plan
     from blink_appliance.model.loaders import load_checkpoint
-    from blink_appliance.profile import loop_geometry, resolve_plan, ring_geometry
-    from blink_appliance.transport.ring_layout import RingLayout
+    from blink_appliance.profile import ring_geometry
+    from blink_appliance.wire.ring_layout import RingLayout
     from tests.test_loop_step import ReferenceStepForward
 
     profile = _tiny_profile(device, **(profile_limits or {}), **engine)
@@ -409,7 +83,7 @@ def served_tiny_loop(device: str = "cpu", profile_limits: dict | None = None, **
         else:
             server = build_loop_server(profile, ckpt, plan, transport, heartbeat_interval_s=0.02)
         stop = threading.Event()
-        thread, errors = _serve(server, stop)
+        thread, errors = serve_in_thread(server, stop)
         try:
             yield server, transport, ring, ckpt, plan, stop
         finally:
@@ -424,9 +98,9 @@ def _reference_streams(ckpt, plan, requests):
     """Greedy token streams of the CPU reference engine for (request_id, prompt, params)."""
     import torch
 
-    from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
-    from blink_appliance.engine.request import Request
+    from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
     from blink_appliance.model.loaders import build_model
+    from blink_appliance.wire.request import Request
 
     model = build_model(ckpt, torch.float32, "cpu")
     engine = LLMEngine(
@@ -484,8 +158,8 @@ on_gpu = [
 async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_cancel_and_shutdown_work(
     device, mode
 ):
-    from blink_appliance.engine.request import SamplingParams
-    from blink_appliance.transport.engine_client import EngineClient
+    from blink_appliance.wire.client import EngineClient
+    from blink_appliance.wire.request import SamplingParams
 
     # Long enough outputs that the request in flight at shutdown is still running when the stop
     # reaches the loop (the tiny model makes a GPU loop step about 0.1 ms).
@@ -557,10 +231,10 @@ async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigt
     import sys
     import textwrap
 
-    from blink_appliance.engine.request import SamplingParams
     from blink_appliance.profile import load_profile, ring_geometry
-    from blink_appliance.transport.engine_client import EngineClient
-    from tests.test_ring_support import unique_name
+    from blink_appliance.wire.client import EngineClient
+    from blink_appliance.wire.request import SamplingParams
+    from tests.ring_support import unique_name
 
     name = unique_name()
     path = tmp_path / "loop.toml"
@@ -587,8 +261,8 @@ async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigt
     )
     ring = ring_geometry(load_profile(path))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the process sets it itself
-    with shm_region_named(name, ring) as transport:
-        proc = subprocess.Popen([sys.executable, "-m", "blink_appliance.engine_process", str(path)], env=env)
+    with shm_region(ring, name) as transport:
+        proc = subprocess.Popen([sys.executable, "-m", "blink_appliance.engine.process", str(path)], env=env)
         try:
             # Not the front end's 0.8 s liveness limit: on a loaded 2-core host the engine's heartbeat
             # once stood still that long during its first interpreted step (a fresh-clone CI run,

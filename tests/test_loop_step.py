@@ -29,16 +29,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.engine.device_state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState  # noqa: E402
-from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from blink_appliance.engine.loop_rig import LoopRig  # noqa: E402
-from blink_appliance.engine.loop_step import LoopStep  # noqa: E402
-from blink_appliance.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
-from blink_appliance.model.gpu_forward import StepInputs  # noqa: E402
+from bench.loop_rig import LoopRig  # noqa: E402
+from blink_appliance.engine.loop.state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState  # noqa: E402
+from blink_appliance.engine.loop.step import LoopStep  # noqa: E402
+from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine  # noqa: E402
 from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache  # noqa: E402
 from blink_appliance.model.loaders import build_model, load_checkpoint  # noqa: E402
-from blink_appliance.transport.engine_client import EngineClient  # noqa: E402
-from blink_appliance.transport.ring_layout import RingGeometry  # noqa: E402
+from blink_appliance.model.step_inputs import StepInputs  # noqa: E402
+from blink_appliance.wire.client import EngineClient  # noqa: E402
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams  # noqa: E402
+from blink_appliance.wire.ring_layout import RingGeometry  # noqa: E402
 
 HAVE_GPU_STACK = (
     importlib.util.find_spec("cupy") is not None and importlib.util.find_spec("cuda.bindings") is not None
@@ -391,8 +391,9 @@ def test_state_problems_name_a_double_release_a_leak_and_shared_run_orders():
 def test_build_takes_the_gemm_plan_the_profile_asks_for():
     """LoopStep.build(deterministic=True) (profile engine.deterministic) gives the forward the plan
     without atomics; the default adds O and down into the residual stream."""
-    from blink_appliance.model.gpu_forward import GpuWeights, decode_gemms, deterministic_gemms
-    from blink_appliance.transport.ring_layout import RingLayout, region_size
+    from blink_appliance.model.gpu_weights import GpuWeights
+    from blink_appliance.model.launch_plans import decode_gemms, deterministic_gemms
+    from blink_appliance.wire.ring_layout import RingLayout, region_size
 
     ckpt = checkpoint()
     weights = GpuWeights.from_hf(ckpt.config, ckpt.weights, torch.float32, "cpu")

@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from blink_appliance.model.loaders import model_registry as registry
+from blink_appliance.model import registry
 
 NAME = "smollm2-135m-instruct"
 

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from blink_appliance.model.loaders import build_model, load_checkpoint, load_tokenizer
-from blink_appliance.model.loaders.dummy import PRESETS, preset_config, weight_shapes
+from blink_appliance.model.loaders import build_model, load_checkpoint
+from blink_appliance.model.presets import PRESETS, preset_config, weight_shapes
+from blink_appliance.model.sources import load_tokenizer
 
 
 def test_dummy_is_deterministic_and_seeded():

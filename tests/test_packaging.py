@@ -1,4 +1,4 @@
-"""The folder layout is the architecture: kernels/, dpu/ and tui/ install inside blink_appliance."""
+"""The folder layout is the architecture: kernels/, frontend/ and tui/ install inside blink_appliance."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def test_every_package_folder_is_declared():
 def test_no_bare_top_level_packages():
     mapping = _pyproject()["tool"]["setuptools"]["package-dir"]
     assert all(name.startswith("blink_appliance") for name in mapping)
-    import blink_appliance.dpu
+    import blink_appliance.frontend
     import blink_appliance.kernels
     import blink_appliance.tui
 
     assert Path(blink_appliance.kernels.__file__).parent == ROOT / "kernels"
-    assert Path(blink_appliance.dpu.__file__).parent == ROOT / "dpu"
+    assert Path(blink_appliance.frontend.__file__).parent == ROOT / "frontend"
     assert Path(blink_appliance.tui.__file__).parent == ROOT / "tui"

@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from blink_appliance.model.loaders.dummy import preset_config
-from blink_appliance.profile import (
-    GIB,
-    ProfileError,
-    load_profile,
-    parse_profile,
-    resolve_plan,
-    ring_geometry,
-)
+from blink_appliance.engine.plan import GIB, resolve_plan
+from blink_appliance.model.presets import preset_config
+from blink_appliance.profile import ProfileError, load_profile, parse_profile, ring_geometry
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL_MODEL = {"name": "m", "source": "dummy:tiny", "kv_budget_gib": 0.01, "max_model_len": 256}
@@ -156,7 +150,7 @@ def test_plan_kv_fraction_is_of_memory_left_after_weights():
 
 
 def plan_weights(cfg) -> int:
-    from blink_appliance.profile import weights_bytes
+    from blink_appliance.engine.plan import weights_bytes
 
     return weights_bytes(cfg, "float32")
 
@@ -270,7 +264,7 @@ def test_engine_errors_name_the_key_path(sections, expected):
 
 
 def test_loop_geometry_is_the_device_state_geometry():
-    from blink_appliance.profile import loop_geometry
+    from blink_appliance.engine.loop.geometry import loop_geometry
 
     cfg = preset_config("tiny")
     p = parse_profile(

@@ -11,19 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blink_appliance.transport.region import RingRegion
-from blink_appliance.transport.ring_layout import (
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.ring_layout import (
     CHANNEL_CTL,
     CHANNEL_PROGRESS,
     CHANNEL_STATUS,
     CONTROL,
     MAGIC,
+    STEP_TIME_FIELDS,
+    TELEMETRY_FIELDS,
     RingGeometry,
     RingLayout,
     region_size,
 )
-from blink_appliance.transport.shm_transport import RegionInUseError, ShmTransport
-from tests.test_ring_support import SMALL, shm_region, unique_name
+from blink_appliance.wire.shm_transport import RegionInUseError, ShmTransport
+from tests.ring_support import SMALL, shm_region, unique_name
 
 PROTOCOL_MD = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 
@@ -84,6 +86,16 @@ def test_protocol_md_tables_match_the_layout():
     for offset, name, _kind in rows:
         assert name in known, f"protocol.md names unknown field {name}"
         assert int(offset) in known[name], f"protocol.md: {name} at {offset}, layout says {known[name]}"
+
+
+def test_protocol_md_lists_the_telemetry_words_in_layout_order():
+    """The block's order is wire format, whatever groups the code builds it from."""
+    text = " ".join(PROTOCOL_MD.read_text().split())
+    found = re.search(r"\(`TELEMETRY_FIELDS`, at 392 \+ 8 i\): (.*?), then the step-time histogram", text)
+    assert found, "protocol.md no longer lists the telemetry words"
+    names = tuple(item.split(" (")[0].strip() for item in found.group(1).split(","))
+    assert names == TELEMETRY_FIELDS[: len(names)]
+    assert TELEMETRY_FIELDS[len(names) :] == STEP_TIME_FIELDS
 
 
 def test_region_create_and_attach_checks_geometry():

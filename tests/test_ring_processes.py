@@ -14,12 +14,12 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from blink_appliance.engine.request import FinishReason, Request, SamplingParams
-from blink_appliance.transport.engine_client import EngineBusyError, EngineClient
-from blink_appliance.transport.engine_server import EngineServer
-from blink_appliance.transport.ring_layout import EngineState, ErrorCode, RingGeometry
-from blink_appliance.transport.shm_transport import ShmTransport
-from tests.test_ring_support import SMALL, VOCAB, CounterEngine, server_thread, shm_region
+from blink_appliance.engine.reference.server import EngineServer
+from blink_appliance.wire.client import EngineBusyError, EngineClient
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams
+from blink_appliance.wire.ring_layout import EngineState, ErrorCode, RingGeometry
+from blink_appliance.wire.shm_transport import ShmTransport
+from tests.ring_support import SMALL, VOCAB, CounterEngine, server_thread, shm_region
 
 CTX = mp.get_context("spawn")
 WIDE = RingGeometry(
@@ -40,7 +40,7 @@ def make_engine(kind: str):
     if kind == "tiny":
         import torch
 
-        from blink_appliance.engine.llm_engine import EngineConfig, LLMEngine
+        from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
         from blink_appliance.model.loaders import build_model, load_checkpoint
 
         torch.manual_seed(0)
@@ -130,7 +130,7 @@ async def test_thousand_concurrent_requests_across_processes_match_in_process_en
 
 @pytest.mark.slow
 async def test_thousand_concurrent_requests_with_the_reference_engine_on_a_tiny_model():
-    pytest.importorskip("blink_appliance.engine.llm_engine", reason="reference engine not built yet")
+    pytest.importorskip("blink_appliance.engine.reference.engine", reason="reference engine not built yet")
     await thousand_requests("tiny")
 
 

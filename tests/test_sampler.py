@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from blink_appliance.engine.request import SamplingParams
-from blink_appliance.engine.rng import mix_int, uniform_int, uniforms
-from blink_appliance.engine.sampler import SamplingTensors, filter_mask, sample
+from blink_appliance.engine.reference.rng import mix_int, uniform_int, uniforms
+from blink_appliance.engine.reference.sampler import SamplingTensors, filter_mask, sample
+from blink_appliance.wire.request import SamplingParams
 
 
 def tensors(params: list[SamplingParams], seeds: list[int] | None = None, index: list[int] | None = None):

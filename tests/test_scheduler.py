@@ -8,15 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blink_appliance.engine.block_allocator import BlockAllocator
-from blink_appliance.engine.request import SamplingParams
-from blink_appliance.engine.scheduler import (
+from blink_appliance.engine.reference.block_allocator import BlockAllocator
+from blink_appliance.engine.reference.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
     build_forward_batch,
 )
-from blink_appliance.engine.sequence import Sequence, SequenceStatus
+from blink_appliance.engine.reference.sequence import Sequence, SequenceStatus
+from blink_appliance.wire.request import SamplingParams
 
 _arrival = itertools.count()
 

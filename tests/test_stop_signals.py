@@ -1,4 +1,4 @@
-"""Stop signals set an Event without a lock in the signal handler (blink_appliance/stop_signals.py).
+"""Stop signals set an Event without a lock in the signal handler (blink_appliance/processes.py).
 
 Each case runs in a child process: a signal wakeup fd and signal handlers are process-wide."""
 
@@ -20,7 +20,7 @@ from pathlib import Path
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, threading, time
-    from blink_appliance.stop_signals import set_on_signals
+    from blink_appliance.processes import set_on_signals
     stop = threading.Event()
     if sys.argv[1] == "event-set-in-handler":
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -50,7 +50,7 @@ def test_a_signal_while_the_main_thread_holds_the_events_lock_still_sets_it():
 def test_a_second_wakeup_fd_is_refused():
     code = (
         "import signal, threading\n"
-        "from blink_appliance.stop_signals import set_on_signals\n"
+        "from blink_appliance.processes import set_on_signals\n"
         "set_on_signals(threading.Event(), [signal.SIGTERM])\n"
         "set_on_signals(threading.Event(), [signal.SIGTERM])\n"
     )
@@ -94,7 +94,7 @@ def test_a_signal_to_the_daemons_process_group_does_not_reach_its_children(tmp_p
 
 
 def test_up_stopped_while_its_front_end_starts_never_says_ready_and_exits_zero(tmp_path):
-    from tests.test_http_live import write_profile
+    from tests.live_appliance import write_profile
 
     profile = write_profile(tmp_path, "dummy:tiny")
     exe = Path(sys.executable).parent / "blink-appliance"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from aiohttp import web
-from blink_appliance.dpu.telemetry_routes import add_telemetry_routes
+from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
 
 from blink_appliance.telemetry import GpuSampler, GpuStats, TelemetrySnapshot, TelemetrySource
 

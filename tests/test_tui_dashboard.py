@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from aiohttp import web
-from blink_appliance.dpu.telemetry_routes import add_telemetry_routes
+from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
 from blink_appliance.tui.app import BlinkDashboard
 from blink_appliance.tui.client import Backoff
 from blink_appliance.tui.widgets import CoreHeatStrip, GpuPanel, HostPanel, ModelPanel, StatusBar, UsageBar
@@ -222,8 +222,8 @@ async def test_unreachable_appliance_shows_disconnected() -> None:
 
 
 async def test_api_key_reaches_the_telemetry_stream(aiohttp_server, source: TelemetrySource) -> None:
-    from blink_appliance.dpu.app import openai_errors
-    from blink_appliance.dpu.auth import bearer_auth_middleware
+    from blink_appliance.frontend.app import openai_errors
+    from blink_appliance.frontend.auth import bearer_auth_middleware
 
     app_with_keys = web.Application(middlewares=[openai_errors, bearer_auth_middleware(("secret",))])
     add_telemetry_routes(app_with_keys, source)

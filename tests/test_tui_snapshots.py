@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 from aiohttp import web
-from blink_appliance.dpu.telemetry_routes import add_telemetry_routes
+from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
 from blink_appliance.tui.app import BlinkDashboard
 from textual.pilot import Pilot
 

@@ -60,7 +60,7 @@ class BlinkDashboard(App[None]):
     ) -> None:
         super().__init__()
         self.url = url
-        # With API keys configured, /telemetry* needs a bearer key like /v1/* does (dpu/auth.py).
+        # With API keys configured, /telemetry* needs a bearer key like /v1/* does (frontend/auth.py).
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.backoff = backoff if backoff is not None else Backoff()
         self.snapshots_received = 0

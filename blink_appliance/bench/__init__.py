@@ -9,10 +9,9 @@ interference      bounded co-located CPU load: spinners, a memory-bandwidth thra
 serve             `bench serve`: dataset -> one run per request rate -> metrics, accounting, report
 report            the printed table and the JSON document
 commands          the argparse wiring of `bench serve` and `bench interfere`
-compare           bench/compare.py: loop vs host mode vs the HF baseline, isolated and colocated, budgeted
-compare_report    its targets (met / missed), Markdown tables and PNG plot, from the raw JSON
-server_process    a server under test as a child process: start, wait healthy, wait idle, stop
-hf_baseline       the HF transformers baseline: an OpenAI-compatible server over `generate`, static batches
+
+The device harness built on these (bench/compare.py and its baseline servers) lives in the repo's
+bench/ folder, not in the installed package.
 
 This package imports nothing heavy at import time: interference workers start in fresh interpreters.
 """

@@ -25,7 +25,7 @@ import psutil
 from blink_appliance.telemetry.gpu import GpuSampler
 from blink_appliance.telemetry.host import HostSampler
 
-_OUR_FRONTEND = "blink_appliance.dpu"  # the front end's module in its command line
+_OUR_FRONTEND = "blink_appliance.frontend"  # the front end's module in its command line
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ class DatasetSpec:
 @functools.cache
 def load_bench_tokenizer(source: str) -> BenchTokenizer:
     """The tokenizer of a model source (named, gguf:, hf:); cached, since loading one takes seconds."""
-    from blink_appliance.model.loaders import load_tokenizer
+    from blink_appliance.model.sources import load_tokenizer
 
     tok = load_tokenizer(source)
     if tok is None:

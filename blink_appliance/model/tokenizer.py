@@ -16,6 +16,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from blink_appliance.model.gguf_file import field_value, open_gguf
+
 if TYPE_CHECKING:
     import jinja2
     from gguf import GGUFReader
@@ -170,14 +172,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        from blink_appliance.model.loaders.gguf_loader import open_gguf
-
         return cls.from_gguf_reader(open_gguf(path))
 
     @classmethod
     def from_gguf_reader(cls, reader: GGUFReader) -> Tokenizer:
-        from blink_appliance.model.loaders.gguf_loader import field_value
-
         def meta(key: str, default: Any = None) -> Any:
             return field_value(reader, f"tokenizer.ggml.{key}", default)
 

@@ -2,7 +2,7 @@
 
 The front end owns one. It passes a callable that returns the engines' counters keyed by model
 name (e.g. `lambda: {name: client.telemetry()}`), records token timestamps into
-`source.latency(model)`, and serves the snapshots (dpu/telemetry_routes.py). One background task
+`source.latency(model)`, and serves the snapshots (frontend/telemetry_routes.py). One background task
 samples every `interval_s`, however many clients watch, so host-CPU rates and the energy counter
 are differenced over a steady period and watching adds no load per viewer.
 """

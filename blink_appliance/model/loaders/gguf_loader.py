@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from blink_appliance.model.config import ModelConfig, RopeScaling
+from blink_appliance.model.gguf_file import field_value, open_gguf
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
@@ -58,26 +59,6 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 # Llama 3.x stores its RoPE scaling as a `rope_freqs` tensor of per-frequency divisors, not as
 # metadata; we recognise it as the published llama3 scaling with these band edges.
 _LLAMA3_BANDS = ((1.0, 4.0, 8192),)
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
-    from gguf import GGUFReader
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        return GGUFReader(path, "r")
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
-
-
-def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value as a Python scalar / str / list, or `default` when the key is absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
 
 
 def _required(reader: GGUFReader, key: str) -> Any:
@@ -252,10 +233,3 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     tokenizer = Tokenizer.from_gguf_reader(reader)
     weights = load_weights(reader, config)
     return config, weights, tokenizer
-
-
-def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer alone: reads metadata, never dequantizes a tensor."""
-    from blink_appliance.model.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf_reader(open_gguf(path))

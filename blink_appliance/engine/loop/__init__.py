@@ -1,0 +1,1 @@
+"""The GPU-resident loop: device state, the scheduler/sampler/commit kernels and the graph launched once."""

@@ -1,0 +1,340 @@
+"""The outer CUDA graph of the GPU loop: one WHILE node whose body is the whole engine iteration.
+
+    graph:  WHILE(keep_running) {
+              [captured: wait_for_work -> launches ... -> set_switch(A)]
+              SWITCH A { branch 0 | branch 1 | ... }           value >= branches: none runs
+              [captured: launches ... -> set_switch(B)]
+              SWITCH B { ... }
+              [captured: launches ... -> set_while(keep_running)]
+            }
+
+The body is given as a list of segments: a `Launch` is a Python callable that launches device work
+on torch's current stream (Triton, torch ops, the control kernels); consecutive launches are
+captured together (torch.cuda.graph, keep_graph=True) into one child graph. A `Switch` reads its
+value from an int32 [1] device tensor; the loop appends the kernel that hands that value to the
+SWITCH node to the capture before it, and appends `set_while` to the last capture. Branches are
+sequences of parts: a Launch (captured here) or a `RawGraph` captured elsewhere (e.g.
+ForwardGraphs.raw_cuda_graph(T)), run in order. Every capture here shares one memory pool.
+
+The host launches the graph once (`launch`) on a stream of its own and then only watches it:
+`running`, `join`, and `stop`, which writes the ring's shutdown word through the mapped region and
+waits for the body to drop keep_running. While the loop runs, nothing in this process may
+synchronize the whole device (torch.cuda.synchronize() would wait for the loop to end); stream-level
+work on other streams is fine (the loop's stream is non-blocking).
+
+Launches must be warmed up by their owner before capture (Triton compilation, cuBLAS handles):
+capture records work, it does not run it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from blink_appliance.engine.loop.control import Backoff, LoopControl
+from blink_appliance.engine.loop.mapped_region import RingWords, check, cudart
+
+Launch = Callable[[], None]
+
+# cudaGraphCondAssignDefault: a handle takes its default value at the start of every execution of
+# the graph it belongs to (for a SWITCH handle, every iteration of the body).
+_ASSIGN_DEFAULT = 1
+
+
+@dataclass(frozen=True)
+class RawGraph:
+    """A cudaGraph_t captured elsewhere; its owner keeps it (and its memory pool) alive."""
+
+    graph: int
+
+
+Part = Launch | RawGraph
+
+
+@dataclass
+class Switch:
+    """A SWITCH node: runs branches[value[0]]; a value >= len(branches) or < 0 runs none."""
+
+    name: str
+    value: torch.Tensor  # int32 [1] on the loop's device, written by an earlier launch
+    branches: Sequence[Sequence[Part]]
+
+    def __post_init__(self) -> None:
+        if not self.branches:
+            raise ValueError(f"switch {self.name!r} has no branches")
+        for i, branch in enumerate(self.branches):
+            if not branch:
+                raise ValueError(f"switch {self.name!r}: branch {i} is empty")
+            for part in branch:
+                if not (isinstance(part, RawGraph) or callable(part)):
+                    raise TypeError(
+                        f"switch {self.name!r}: branch {i} holds {part!r}, not a launch or RawGraph"
+                    )
+        if self.value.dtype != torch.int32 or self.value.numel() != 1:
+            raise ValueError(f"switch {self.name!r}: value must be an int32 tensor of one element")
+
+
+Segment = Launch | Switch
+
+
+# -- the plan: which launches are captured together, where the conditional setters go --------------
+@dataclass(frozen=True)
+class SetSwitch:
+    """Plan marker: the kernel that hands switch `index`'s value to its SWITCH node."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class SetWhile:
+    """Plan marker: the kernel that hands keep_running to the WHILE node."""
+
+
+@dataclass
+class CaptureStep:
+    launches: list[Launch | SetSwitch | SetWhile] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SwitchStep:
+    index: int  # into the plan's switches
+
+
+@dataclass
+class BodyPlan:
+    steps: list[CaptureStep | SwitchStep]
+    switches: list[Switch]
+
+
+def plan_body(segments: Sequence[Segment]) -> BodyPlan:
+    """Group the body into captured child graphs and SWITCH nodes, in order.
+
+    Each switch's setter goes at the end of the capture right before it (a capture of the setter
+    alone when the switch follows another switch or opens the body); set_while ends the last
+    capture. So the body is always capture, (switch, capture)*.
+    """
+    steps: list[CaptureStep | SwitchStep] = []
+    switches: list[Switch] = []
+    pending = CaptureStep()
+    for segment in segments:
+        if isinstance(segment, Switch):
+            pending.launches.append(SetSwitch(len(switches)))
+            steps += [pending, SwitchStep(len(switches))]
+            switches.append(segment)
+            pending = CaptureStep()
+        elif callable(segment):
+            pending.launches.append(segment)
+        else:
+            raise TypeError(f"a loop body segment must be a launch or a Switch, not {segment!r}")
+    pending.launches.append(SetWhile())
+    steps.append(pending)
+    return BodyPlan(steps, switches)
+
+
+class BucketGraphs(Protocol):
+    """What the loop uses of ForwardGraphs: the captured bucket sizes and their cudaGraph_t."""
+
+    buckets: tuple[int, ...]
+
+    def raw_cuda_graph(self, num_tokens: int) -> int: ...
+
+
+def engine_body(
+    *,
+    bucket_index: torch.Tensor,
+    sampler_index: torch.Tensor,
+    forward: BucketGraphs,
+    schedule: Launch,
+    sample_greedy: Launch,
+    sample_full: Launch,
+    commit: Launch,
+) -> list[Segment]:
+    """The engine iteration (docs/device_loop.md): schedule -> SWITCH bucket -> SWITCH sampler -> commit.
+
+    bucket_index / sampler_index are DeviceState's: bucket_index = len(forward.buckets) runs no
+    forward; sampler_index 0 = greedy, 1 = full, 2 (or more) = no sampling.
+    """
+    return [
+        schedule,
+        Switch("bucket", bucket_index, [[RawGraph(forward.raw_cuda_graph(T))] for T in forward.buckets]),
+        Switch("sampler", sampler_index, [[sample_greedy], [sample_full]]),
+        commit,
+    ]
+
+
+class DeviceLoop:
+    """The engine loop as one CUDA graph, built (captured) at construction, launched once."""
+
+    def __init__(
+        self,
+        body: Sequence[Segment],
+        *,
+        num_active: torch.Tensor,
+        keep_running: torch.Tensor,
+        ring: RingWords,
+        control: LoopControl,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        self.device = control.device
+        for name, t in (("num_active", num_active), ("keep_running", keep_running)):
+            if t.dtype != torch.int32 or t.numel() != 1 or t.device != self.device:
+                raise ValueError(f"{name} must be an int32 tensor of one element on {self.device}")
+        self.control = control
+        self.ring = ring
+        self.keep_running = keep_running
+        self.num_active = num_active
+        self.backoff = backoff
+
+        def wait() -> None:
+            control.wait_for_work(num_active, ring, backoff)
+
+        self.plan = plan_body([wait, *body])
+        self._captures: list[torch.cuda.CUDAGraph] = []  # their graphs and pool back our clones
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graph = None
+        self._exec = None
+        self._stream = None
+        self._launched = False
+        try:
+            self._build()
+        except BaseException:
+            self._destroy()
+            raise
+
+    # -- construction ---------------------------------------------------------------------------
+    def _build(self) -> None:
+        rt = cudart()
+        with torch.cuda.device(self.device):
+            (self._graph,) = check(rt.cudaGraphCreate(0))
+            (while_handle,) = check(rt.cudaGraphConditionalHandleCreate(self._graph, 1, _ASSIGN_DEFAULT))
+            _, (body,) = self._add_conditional(
+                self._graph, None, while_handle, rt.cudaGraphConditionalNodeType.cudaGraphCondTypeWhile, 1
+            )
+            # SWITCH handles belong to the body graph, where their nodes are (fact 2); the default
+            # (no branch) applies whenever a setter did not run.
+            handles = [
+                check(rt.cudaGraphConditionalHandleCreate(body, len(s.branches), _ASSIGN_DEFAULT))[0]
+                for s in self.plan.switches
+            ]
+            self.while_handle = int(while_handle)
+            self.switch_handles = [int(h) for h in handles]
+
+            last = None
+            for step in self.plan.steps:
+                if isinstance(step, CaptureStep):
+                    last = self._add_child(body, last, self._capture(step.launches))
+                else:
+                    switch = self.plan.switches[step.index]
+                    last, branch_graphs = self._add_conditional(
+                        body,
+                        last,
+                        handles[step.index],
+                        rt.cudaGraphConditionalNodeType.cudaGraphCondTypeSwitch,
+                        len(switch.branches),
+                    )
+                    for branch, graph in zip(switch.branches, branch_graphs, strict=True):
+                        prev = None
+                        for part in branch:
+                            raw = part.graph if isinstance(part, RawGraph) else self._capture([part])
+                            prev = self._add_child(graph, prev, raw)
+
+            (self._exec,) = check(rt.cudaGraphInstantiate(self._graph, 0))
+            (self._stream,) = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+
+    def _capture(self, launches: Sequence[Launch | SetSwitch | SetWhile]) -> int:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, pool=self._pool):
+            for launch in launches:
+                if isinstance(launch, SetSwitch):
+                    switch = self.plan.switches[launch.index]
+                    self.control.set_switch(self.switch_handles[launch.index], switch.value)
+                elif isinstance(launch, SetWhile):
+                    self.control.set_while(self.while_handle, self.keep_running)
+                else:
+                    launch()
+        self._captures.append(graph)
+        return graph.raw_cuda_graph()
+
+    @staticmethod
+    def _add_child(graph, after, child: int):
+        rt = cudart()
+        deps = [after] if after is not None else None
+        (node,) = check(
+            rt.cudaGraphAddChildGraphNode(graph, deps, len(deps or ()), rt.cudaGraph_t(init_value=child))
+        )
+        return node
+
+    @staticmethod
+    def _add_conditional(graph, after, handle, kind, size: int):
+        rt = cudart()
+        params = rt.cudaGraphNodeParams()
+        params.type = rt.cudaGraphNodeType.cudaGraphNodeTypeConditional
+        params.conditional.handle = handle
+        params.conditional.type = kind
+        params.conditional.size = size
+        deps = [after] if after is not None else None
+        (node,) = check(rt.cudaGraphAddNode(graph, deps, None, len(deps or ()), params))
+        out = params.conditional.phGraph_out  # CUDA-owned body graphs, one per branch
+        bodies = list(out) if isinstance(out, (list, tuple)) else [out]
+        if len(bodies) != size:
+            raise RuntimeError(f"conditional node returned {len(bodies)} body graphs, expected {size}")
+        return node, bodies
+
+    # -- running --------------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Start the loop. Work already queued on torch's current stream (state set-up) runs first."""
+        if self._launched:
+            raise RuntimeError("the device loop was already launched (it runs once)")
+        torch.cuda.current_stream(self.device).synchronize()
+        rt = cudart()
+        check(rt.cudaGraphLaunch(self._exec, self._stream))
+        self._launched = True
+
+    def running(self) -> bool:
+        if not self._launched:
+            return False
+        rt = cudart()
+        (err,) = rt.cudaStreamQuery(self._stream)
+        if err == rt.cudaError_t.cudaErrorNotReady:
+            return True
+        check((err,))
+        return False
+
+    def join(self, timeout_s: float | None = None, poll_s: float = 0.0002) -> bool:
+        """Wait (polling, so a timeout is possible) for the loop to end; True if it ended."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.running():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Ask the loop to stop through the ring's shutdown word and wait for it to end."""
+        self.ring.request_shutdown()
+        if not self.join(timeout_s):
+            raise TimeoutError(f"the device loop did not stop within {timeout_s} s of shutdown")
+
+    # -- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the graph and its stream. The loop must have ended (stop() or its own condition)."""
+        if self.running():
+            raise RuntimeError("close() on a running device loop: stop() it first")
+        self._destroy()
+
+    def _destroy(self) -> None:
+        rt = cudart()
+        if self._exec is not None:
+            check(rt.cudaGraphExecDestroy(self._exec))
+            self._exec = None
+        if self._graph is not None:
+            check(rt.cudaGraphDestroy(self._graph))
+            self._graph = None
+        if self._stream is not None:
+            check(rt.cudaStreamDestroy(self._stream))
+            self._stream = None
+        self._captures.clear()

@@ -1,0 +1,156 @@
+"""The GPU loop's sample step: DeviceState rows + the forward's logits -> state.sampled.
+
+Two capturable variants, chosen by state.sampler_index (a SWITCH in the loop's graph; host mode
+reads it): `greedy` (argmax of every row) and `full` (temperature, top-k, top-p, min-p, exponential
+race with the counter-based RNG). Both read GpuForward.logits [S, V] fp32 (row r = sample row r) and
+the row_* tensors schedule wrote, and write state.sampled [S] int64. Static shapes, no host sync, no
+allocation that depends on data: they run inside a CUDA graph. Rows with sample_slot < 0 are
+sampled greedily (their result is ignored by commit).
+
+`full` gives the tokens engine/reference/sampler.py `sample()` gives for the same logits and parameters
+(docs/engine.md "Sampling"), row by row, independent of the other rows:
+
+1. x = logits / temperature (torch; greedy rows divide by 1, so x = logits).
+2. Candidates: the `candidates` largest x of every row (torch.topk), put in (value descending,
+   index ascending) order. The top-k threshold is the k-th candidate; the top-p nucleus is the
+   reference's sequential prefix sum over the candidates, with the logsumexp over all top-k
+   survivors (kernels/sampling.masked_logsumexp, one read of x). Together they give the cut
+   (v_cut, i_cut): the last kept token of the kept prefix.
+   The cut is exact when k <= candidates and the nucleus ends inside the candidates strictly above
+   the smallest one (or every survivor is a candidate): the reference's own fast-path condition.
+3. Rows where it is not (top_k > candidates, a nucleus reaching past the candidates, ties at the
+   candidates' edge) take kernels/sampling.exact_cut: bisection over the row's float order, one
+   program per row; the rows that do not need it return at once.
+4. min-p: x >= max(x) + log(min_p).
+5. kernels/sampling.race: score = x - log(-log(u)) over the kept tokens (greedy rows: x), best per
+   vocabulary chunk; the chunks are reduced with argmax (ties: lowest index).
+
+Equality with the reference is exact in the kept sets and the random numbers; the only difference
+is floating-point summation order where the reference's cannot be copied (the logsumexp, the
+exact-cut path's masses, cumsum on the GPU), and the last ulp of log/exp between math libraries: a
+token can differ only when two candidates' scores (or a nucleus boundary and top_p) agree to within a
+few ulps (0 differences in 1440 random rows on the CPU, ties and fallbacks included).
+
+Cost at V = 128256, S = 64 (an estimate from the traffic; to be measured on the H100): greedy is one
+read of the logits (33 MB, ~15 us). full: x = logits / t (33 MB read + written, ~25 us), topk(256)
+over every row (the largest unknown, est. 30-80 us), the masked logsumexp (kernels/sampling, one read
+of x, ~15 us), a dozen small [S, 256] ops, the race (one read of x; the hash, ~30 integer
+instructions per element, only in chunks holding a kept token, ~25 us), the chunk reduction: about
+0.1-0.2 ms, ~25 kernels. The exact-cut path adds work only in steps where some row needs it: ~20
+passes over that row (two searches of ~8 passes testing 16 keys each, and a few more), one program
+per row, rows in parallel: tens to a few hundred microseconds for such a step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from blink_appliance.engine.loop.state import DeviceState
+from blink_appliance.kernels.sampling import INT64_MAX, exact_cut, masked_logsumexp, race
+
+CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
+RACE_CHUNK = 2048  # vocabulary entries per race program
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class DeviceSampler:
+    """Samples one token per row of `logits` into state.sampled; `greedy()` / `full()` are capturable."""
+
+    def __init__(
+        self,
+        state: DeviceState,
+        logits: torch.Tensor,
+        *,
+        candidates: int = CANDIDATES,
+        race_chunk: int = RACE_CHUNK,
+    ) -> None:
+        rows, vocab = logits.shape
+        if logits.dtype != torch.float32:
+            raise ValueError(f"the sampler reads fp32 logits, got {logits.dtype}")
+        if rows != state.sampled.shape[0]:
+            raise ValueError(f"logits have {rows} rows; the loop samples {state.sampled.shape[0]}")
+        if candidates < 1:
+            raise ValueError(f"candidates must be >= 1, got {candidates}")
+        self.state = state
+        self.logits = logits
+        self.vocab_size = vocab
+        self.candidates = min(candidates, vocab)
+        self.race_chunk = min(race_chunk, triton.next_power_of_2(vocab))
+        device = logits.device
+        # The Triton kernels use libdevice's log/exp on the GPU (torch's own), numpy's when interpreted.
+        self.precise = device.type == "cuda" and not _interpreted()
+        self._x = torch.empty_like(logits)
+        n_chunks = triton.cdiv(vocab, self.race_chunk)
+        self._part_score = torch.empty(rows, n_chunks, dtype=torch.float32, device=device)
+        self._part_index = torch.empty(rows, n_chunks, dtype=torch.int64, device=device)
+        self._lse = torch.empty(rows, dtype=torch.float32, device=device)
+
+    # -- the two variants (capturable) --------------------------------------------------------------
+    def greedy(self) -> None:
+        """argmax per row, ties to the lowest index (as torch.argmax and the reference)."""
+        torch.argmax(self.logits, dim=-1, out=self.state.sampled)
+
+    def full(self) -> None:
+        st = self.state
+        V, K = self.vocab_size, self.candidates
+        random = (st.sample_slot >= 0) & (st.row_temperature > 0)
+        temperature = torch.where(random, st.row_temperature, 1.0)
+        x = torch.div(self.logits, temperature[:, None], out=self._x)
+
+        cand, cand_index = x.topk(K, dim=-1)
+        # topk's order among equal values is unspecified: lower index first, as the reference.
+        by_index = cand_index.argsort(dim=-1)
+        cand, cand_index = cand.gather(1, by_index), cand_index.gather(1, by_index)
+        cand, order = cand.sort(dim=-1, descending=True, stable=True)
+        cand_index = cand_index.gather(1, order)
+
+        top_k, top_p, min_p = st.row_top_k, st.row_top_p, st.row_min_p
+        on_k = random & (top_k > 0) & (top_k < V)
+        kth = cand.gather(1, (top_k.clamp(1, K) - 1)[:, None])[:, 0]
+        threshold = torch.where(on_k, kth, -math.inf)
+        k_exact = ~on_k | (top_k <= K)
+
+        on_p = random & (top_p < 1.0)
+        lse = self._lse
+        masked_logsumexp(x, cand[:, 0].contiguous(), threshold, lse, self.precise)
+        cand_masked = cand.masked_fill(cand < threshold[:, None], -math.inf)
+        probs = (cand_masked - lse[:, None]).exp()
+        before = probs.cumsum(dim=-1) - probs
+        keep = before < top_p[:, None]
+        keep[:, 0] = True
+        n_kept = keep.sum(dim=-1)
+        n_survivors = (cand >= threshold[:, None]).sum(dim=-1)
+        last = (torch.minimum(n_kept, n_survivors) - 1).clamp(min=0)[:, None]  # NaN rows: 0 survivors
+        last_kept = cand.gather(1, (n_kept.clamp(max=K) - 1)[:, None])[:, 0]
+        p_exact = ~on_p | (n_survivors < K) | ((n_kept < K) & (last_kept > cand[:, K - 1]))
+
+        v_cut = torch.where(on_p, cand.gather(1, last)[:, 0], threshold)
+        i_cut = torch.where(on_p, cand_index.gather(1, last)[:, 0], INT64_MAX)
+        min_p_cut = cand[:, 0] + torch.log(min_p)  # log 0 = -inf keeps all
+        exact = (~random | (k_exact & p_exact)).to(torch.int32)
+        random_i32 = random.to(torch.int32)
+        exact_cut(x, random_i32, exact, top_k, top_p, v_cut, i_cut, self.precise)
+
+        race(
+            x, random_i32, st.row_seed, st.row_output_index, v_cut, i_cut, min_p_cut,
+            self._part_score, self._part_index, self.race_chunk, self.precise,
+        )  # fmt: skip
+        best = self._part_score.argmax(dim=-1, keepdim=True)  # first (lowest) chunk among equal scores
+        st.sampled.copy_(self._part_index.gather(1, best)[:, 0])
+
+    # -- host mode ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Host-driven: read sampler_index (a sync) and run that variant; other values run none, as
+        the loop's SWITCH does."""
+        index = int(self.state.sampler_index[0])
+        if index == 0:
+            self.greedy()
+        elif index == 1:
+            self.full()

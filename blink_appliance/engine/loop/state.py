@@ -1,0 +1,239 @@
+"""The GPU loop's state: every tensor the device-resident scheduler, sampler and commit read and write.
+
+This module is the one definition of that state (the loop's counterpart of ring_layout.py). It is
+allocated once at boot on the loop's device and never resized; the kernels of one loop iteration
+(docs/device_loop.md) pass it along in this order:
+
+    wait (CUDA C: idle backoff) -> schedule (Triton) -> SWITCH bucket -> forward graph
+        -> sample (torch, static shapes) -> commit (Triton) -> set WHILE condition (CUDA C)
+
+Ownership, so that no kernel reaches around another:
+- schedule reads the ring's input side (records, arena, cancel words, shutdown), writes req_tail /
+  arena_tail, owns sequence slots and KV blocks, and writes the step's forward inputs
+  (GpuForward.inputs), the step tables and the per-row sampling tensors below.
+- sample reads the forward's logits and the per-row sampling tensors, writes `sampled`.
+- commit reads `sampled` and the step tables, appends tokens, writes the ring's output side
+  (tokens, times, progress, status), releases finished slots and their blocks, updates telemetry,
+  and writes `keep_running` (the WHILE condition).
+Terminal events are published by commit only: schedule marks a slot FINISHING with a finish code
+(cancel, rejected record, shutdown) and commit publishes it in the same iteration.
+
+Slot life cycle (one slot per admitted request; `num_slots` can exceed the per-step batch):
+
+    FREE --admit--> WAITING --scheduled--> RUNNING --stop/length--> FINISHING --commit--> FREE
+                       ^                      |
+                       +---- preempt ---------+      cancel / reject / shutdown: any -> FINISHING
+
+A WAITING slot holds no KV blocks and feeds its tokens from position 0 when scheduled (a fresh
+prompt, or recompute after preemption: its generated tokens are kept and fed again like prompt).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+import torch
+
+from blink_appliance.wire.ring_layout import ENGINE_COUNTER_FIELDS, STEP_TIME_FIELDS
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WAITING = 1  # admitted, holds no blocks
+    RUNNING = 2  # holds blocks for its num_computed tokens
+    FINISHING = 3  # finish_reason/error_code set; commit publishes the terminal event this iteration
+
+
+MAX_EOS_IDS = 8  # end-of-sequence ids the loop checks (model config's, padded with -1)
+
+
+@dataclass(frozen=True)
+class LoopGeometry:
+    """Fixed capacities of the loop; from the profile, checked once at boot."""
+
+    num_slots: int  # D: admitted requests the device tracks at once (running or waiting)
+    max_num_seqs: int  # S: sequences in one step (GpuForward.max_seqs)
+    max_num_batched_tokens: int  # token budget per step; equals the largest bucket
+    buckets: tuple[int, ...]  # captured forward sizes, ascending
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int  # prompt + generated tokens of one sequence
+    max_stop_ids: int  # = RingGeometry.max_stop_ids
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # at most MAX_EOS_IDS
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def validate(self) -> None:
+        if list(self.buckets) != sorted(set(self.buckets)) or not self.buckets or self.buckets[0] < 1:
+            raise ValueError(
+                f"buckets must be distinct positive sizes in ascending order, got {self.buckets}"
+            )
+        if self.max_num_batched_tokens != self.buckets[-1]:
+            raise ValueError("max_num_batched_tokens must equal the largest bucket")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_num_seqs (one token per decoding sequence)"
+            )
+        if self.num_slots < self.max_num_seqs:
+            raise ValueError("num_slots must be >= max_num_seqs")
+        if self.num_kv_blocks < self.max_blocks_per_seq:
+            raise ValueError("num_kv_blocks cannot hold one sequence of max_model_len")
+        if len(self.eos_token_ids) > MAX_EOS_IDS:
+            raise ValueError(f"at most {MAX_EOS_IDS} eos token ids")
+
+
+@dataclass
+class DeviceState:
+    """All loop state, int32 unless noted. [D] = per slot, [S] = per batch sequence / sample row."""
+
+    # -- per slot [D] ---------------------------------------------------------------------------
+    slot_state: torch.Tensor  # SlotState
+    chan: torch.Tensor  # output channel (ring slot) of the request
+    generation: torch.Tensor  # int64: the channel generation the request owns
+    request_id: torch.Tensor  # int64
+    priority: torch.Tensor  # lower runs first
+    arrival: torch.Tensor  # int64: admission counter, FCFS within a priority class
+    run_order: torch.Tensor  # int64: when it last became RUNNING; the latest is the next preemption victim
+    prompt_len: torch.Tensor
+    num_tokens: torch.Tensor  # prompt + generated
+    num_computed: torch.Tensor  # tokens whose K/V are in the cache after this step (0 while WAITING);
+    #                             schedule advances it by the chunk it schedules, commit never does
+    max_tokens: torch.Tensor
+    temperature: torch.Tensor  # float32; 0 = greedy
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor
+    min_p: torch.Tensor  # float32
+    seed: torch.Tensor  # int64 in [0, 2**63): the record's seed, or one derived at admission
+    ignore_eos: torch.Tensor
+    n_stop: torch.Tensor
+    stop_ids: torch.Tensor  # [D, max_stop_ids]
+    token_ids: torch.Tensor  # [D, max_model_len]: prompt, then generated tokens
+    block_table: torch.Tensor  # [D, max_blocks_per_seq], -1 beyond num_blocks
+    num_blocks: torch.Tensor
+    finish_reason: torch.Tensor  # FINISH_CODES (ring_layout) once FINISHING, else 0
+    error_code: torch.Tensor  # ErrorCode (ring_layout)
+
+    # -- KV block free list (a stack) -------------------------------------------------------------
+    free_blocks: torch.Tensor  # [num_kv_blocks]; entries [0, free_top) are free block ids
+    free_top: torch.Tensor  # [1]
+
+    # -- this step, written by schedule -----------------------------------------------------------
+    step_slot: torch.Tensor  # [S]: slot of batch sequence s, -1 unused (GpuForward.inputs order)
+    step_chunk: torch.Tensor  # [S]: tokens fed for it this step
+    sample_slot: torch.Tensor  # [S]: slot whose token logits row r holds, -1 unused
+    step_num_tokens: torch.Tensor  # [1]: tokens in the step (0: no forward this iteration)
+    bucket_index: torch.Tensor  # [1]: SWITCH value; len(buckets) = run no forward
+    sampler_index: torch.Tensor  # [1]: SWITCH value for the sampler: 0 greedy only, 1 some row random
+    # per sample row [S], gathered from the slots so the sampler reads rows directly
+    row_temperature: torch.Tensor  # float32
+    row_top_k: torch.Tensor  # int64
+    row_top_p: torch.Tensor  # float32
+    row_min_p: torch.Tensor  # float32
+    row_seed: torch.Tensor  # int64
+    row_output_index: torch.Tensor  # int64: tokens the row's request generated before this one
+
+    # -- written by sample, read by commit ----------------------------------------------------------
+    sampled: torch.Tensor  # [S] int64: token of sample row r
+
+    # -- loop control and counters ----------------------------------------------------------------
+    num_active: torch.Tensor  # [1]: slots not FREE (the wait kernel spins only when 0 and the ring is empty)
+    shutdown_seen: torch.Tensor  # [1]: schedule saw the ring's shutdown word, marked all slots FINISHING
+    keep_running: torch.Tensor  # [1]: WHILE condition; commit writes 0 once shutdown_seen
+    next_arrival: torch.Tensor  # [1] int64
+    next_run_order: torch.Tensor  # [1] int64
+    clock_offset_ns: torch.Tensor  # [1] int64: host monotonic ns minus device clock ns, set at boot
+    counters: torch.Tensor  # [len(COUNTERS)] int64, see COUNTERS
+    step_start_ns: torch.Tensor  # [1] int64: schedule's clock at the start of this iteration
+    step_time_hist: torch.Tensor  # [len(STEP_TIME_FIELDS)] int64: steps per time bucket (ring_layout)
+
+    @classmethod
+    def allocate(cls, g: LoopGeometry, device: torch.device | str) -> DeviceState:
+        g.validate()
+        D, S = g.num_slots, g.max_num_seqs
+
+        def i32(*shape: int, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int32, device=device)
+
+        def i64(*shape: int, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
+
+        def f32(*shape: int, fill: float = 0.0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.float32, device=device)
+
+        return cls(
+            slot_state=i32(D), chan=i32(D, fill=-1), generation=i64(D), request_id=i64(D),
+            priority=i32(D), arrival=i64(D), run_order=i64(D), prompt_len=i32(D), num_tokens=i32(D), num_computed=i32(D),
+            max_tokens=i32(D), temperature=f32(D), top_p=f32(D, fill=1.0), top_k=i32(D), min_p=f32(D),
+            seed=i64(D), ignore_eos=i32(D), n_stop=i32(D), stop_ids=i32(D, g.max_stop_ids, fill=-1),
+            token_ids=i32(D, g.max_model_len), block_table=i32(D, g.max_blocks_per_seq, fill=-1),
+            num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D),
+            # Popping from the top hands out low block ids first, like the reference allocator.
+            free_blocks=torch.arange(g.num_kv_blocks - 1, -1, -1, dtype=torch.int32, device=device),
+            free_top=i32(1, fill=g.num_kv_blocks),
+            step_slot=i32(S, fill=-1), step_chunk=i32(S), sample_slot=i32(S, fill=-1),
+            step_num_tokens=i32(1), bucket_index=i32(1, fill=len(g.buckets)), sampler_index=i32(1),
+            row_temperature=f32(S), row_top_k=i64(S), row_top_p=f32(S, fill=1.0), row_min_p=f32(S),
+            row_seed=i64(S), row_output_index=i64(S),
+            sampled=i64(S),
+            num_active=i32(1), shutdown_seen=i32(1), keep_running=i32(1, fill=1), next_arrival=i64(1),
+            next_run_order=i64(1), clock_offset_ns=i64(1),
+            counters=i64(len(COUNTERS)), step_start_ns=i64(1), step_time_hist=i64(len(STEP_TIME_FIELDS)),
+        )  # fmt: skip
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def problems(self) -> list[str]:
+        """What is wrong with the loop's bookkeeping, read back to the host (a sync): the free stack
+        [0, free_top) and the tables of the slots holding blocks must hold every block id exactly
+        once, a FREE or WAITING slot holds none, and RUNNING slots have distinct run orders (the
+        schedule ranks them by it). Empty when consistent; for tests and stress checks between
+        iterations, never on the token path."""
+        n = self.free_blocks.numel()
+        top = int(self.free_top[0])
+        if not 0 <= top <= n:
+            return [f"free_top {top} outside [0, {n}]"]
+        held = self.num_blocks.cpu()
+        states = self.slot_state.cpu()
+        problems = []
+        tables = self.block_table.cpu()
+        ids = self.free_blocks[:top].cpu().tolist()
+        for s in range(held.numel()):
+            k = int(held[s])
+            if k and states[s] in (SlotState.FREE, SlotState.WAITING):
+                problems.append(f"slot {s} is {SlotState(int(states[s])).name} but holds {k} blocks")
+            ids += tables[s, :k].tolist()
+            if (tables[s, k:] != -1).any():
+                problems.append(f"slot {s} has table entries past its {k} blocks")
+        running = states == SlotState.RUNNING
+        orders = self.run_order.cpu()[running].tolist()
+        if len(set(orders)) != len(orders):
+            twice = sorted({o for o in orders if orders.count(o) > 1})[:8]
+            problems.append(f"RUNNING slots share run orders, e.g. {twice}")
+        if sorted(ids) != list(range(n)):
+            seen: dict[int, int] = {}
+            for b in ids:
+                seen[b] = seen.get(b, 0) + 1
+            twice = sorted(b for b, c in seen.items() if c > 1)[:8]
+            missing = len(set(range(n)) - set(ids))
+            problems.append(
+                f"{len(ids)} block ids held for {n} blocks: {missing} missing, held twice e.g. {twice}"
+            )
+        return problems
+
+
+# Loop counters (DeviceState.counters), cumulative but for last_step_ns (schedule start to commit of
+# the latest iteration that ran a forward): the wire's engine counters, which the host copies into the
+# ring's telemetry words without touching the token path, then the loop's own step_tokens (the sum of
+# step_num_tokens; no telemetry word). loop_iterations leads: bench/loop_stress.py reads the first
+# counters by position.
+COUNTERS: tuple[str, ...] = (
+    "loop_iterations",
+    *(name for name in ENGINE_COUNTER_FIELDS if name != "loop_iterations"),
+    "step_tokens",
+)
+COUNTER_INDEX = {name: i for i, name in enumerate(COUNTERS)}

@@ -1,0 +1,202 @@
+"""One iteration of the GPU loop, as separately launchable pieces: schedule, forward, sample, commit.
+
+    schedule (DeviceScheduler)  ->  forward bucket state.bucket_index (GpuForward / ForwardGraphs)
+        ->  sample variant state.sampler_index (DeviceSampler)  ->  commit (DeviceCommit)
+
+`LoopStep` owns the loop's state (DeviceState) and the four parts, all bound to the same tensors.
+The pieces are what the device loop's graph captures (engine/loop/graph.py `engine_body`, via
+`body()`): `schedule`, `sample_greedy`, `sample_full` and `commit` launch device work on the current
+stream with no host sync; the forward enters the graph as ForwardGraphs' per-bucket graphs.
+`host_step()` runs the same pieces for one iteration driven from the host (engine.mode = "host", and
+the CPU harness): it reads bucket_index and sampler_index back to choose the branches, as the
+graph's SWITCH nodes do on the device, and waits for the iteration to end.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from blink_appliance.engine.loop.commit import DeviceCommit
+from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
+from blink_appliance.engine.loop.graph import Segment, engine_body
+from blink_appliance.engine.loop.sampler import DeviceSampler
+from blink_appliance.engine.loop.scheduler import DeviceScheduler
+from blink_appliance.engine.loop.state import DeviceState, LoopGeometry
+from blink_appliance.model.config import ModelConfig
+from blink_appliance.model.gpu_forward import GpuForward
+from blink_appliance.model.gpu_weights import GpuWeights
+from blink_appliance.model.kv_cache import PagedKVCache
+from blink_appliance.model.launch_plans import decode_gemms, deterministic_gemms
+from blink_appliance.model.step_inputs import StepInputs
+from blink_appliance.wire.ring_layout import RingLayout
+
+
+class StepForward(Protocol):
+    """What the loop needs of a forward (GpuForward): static inputs schedule writes, fp32 logits
+    [max_seqs, V] the sampler reads (row r for sample row r), and `step(T)` over the first T rows."""
+
+    inputs: StepInputs
+    logits: torch.Tensor
+    max_tokens: int
+    max_seqs: int
+
+    def step(self, num_tokens: int) -> torch.Tensor: ...
+
+
+class LoopStep:
+    def __init__(
+        self,
+        geometry: LoopGeometry,
+        state: DeviceState,
+        scheduler: DeviceScheduler,
+        forward: StepForward,
+        sampler: DeviceSampler,
+        commit: DeviceCommit,
+        graphs: ForwardGraphs | None = None,
+    ) -> None:
+        if forward.max_tokens < geometry.max_num_batched_tokens or forward.max_seqs != geometry.max_num_seqs:
+            raise ValueError(
+                f"forward sized for {forward.max_tokens} tokens / {forward.max_seqs} sequences; the loop "
+                f"needs {geometry.max_num_batched_tokens} / {geometry.max_num_seqs}"
+            )
+        if graphs is not None and tuple(graphs.buckets) != tuple(geometry.buckets):
+            raise ValueError(f"captured buckets {graphs.buckets} differ from the loop's {geometry.buckets}")
+        self.geometry = geometry
+        self.state = state
+        self.scheduler = scheduler
+        self.forward_runner = forward
+        self.sampler = sampler
+        self.committer = commit
+        self.graphs = graphs
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        weights: GpuWeights,
+        region: torch.Tensor,
+        layout: RingLayout,
+        geometry: LoopGeometry,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        *,
+        engine_seed: int = 0,
+        capture_graphs: bool | None = None,
+        deterministic: bool = False,
+    ) -> LoopStep:
+        """Everything from a model config + weights (GpuWeights.from_hf) and the ring region (a uint8
+        tensor over the whole region on `device`). `capture_graphs` (default: on CUDA) captures one
+        forward graph per bucket; `engine_seed` derives the seeds of requests that bring none;
+        `deterministic` takes the forward's GEMM plan without atomics (`deterministic_gemms`)."""
+        device = torch.device(device)
+        if geometry.vocab_size != config.vocab_size:
+            raise ValueError(f"loop vocab_size {geometry.vocab_size} != model vocab_size {config.vocab_size}")
+        if geometry.max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {geometry.max_model_len} exceeds the model's max_position_embeddings "
+                f"{config.max_position_embeddings}"
+            )
+        if weights.embed.dtype != dtype or weights.embed.device != device:
+            raise ValueError(
+                f"weights are {weights.embed.dtype} on {weights.embed.device}, not {dtype} on {device}"
+            )
+        kv = PagedKVCache.allocate(
+            config.num_layers, geometry.num_kv_blocks, geometry.block_size, config.num_kv_heads,
+            config.head_dim, dtype, device,
+        )  # fmt: skip
+        forward = GpuForward(
+            config, weights, kv, max_tokens=geometry.max_num_batched_tokens, max_seqs=geometry.max_num_seqs,
+            max_blocks_per_seq=geometry.max_blocks_per_seq, max_context_len=geometry.max_model_len,
+            gemm_plan=deterministic_gemms if deterministic else decode_gemms,
+        )  # fmt: skip
+        graphs = None
+        if capture_graphs is None:
+            capture_graphs = device.type == "cuda"
+        if capture_graphs:
+            graphs = ForwardGraphs(forward, geometry.buckets)
+            graphs.capture()
+        return cls.assemble(geometry, forward, region, layout, engine_seed=engine_seed, graphs=graphs)
+
+    @classmethod
+    def assemble(
+        cls,
+        geometry: LoopGeometry,
+        forward: StepForward,
+        region: torch.Tensor,
+        layout: RingLayout,
+        *,
+        engine_seed: int = 0,
+        graphs: ForwardGraphs | None = None,
+    ) -> LoopStep:
+        """A fresh DeviceState and the schedule / sample / commit parts around an existing forward."""
+        state = DeviceState.allocate(geometry, forward.logits.device)
+        scheduler = DeviceScheduler(geometry, state, region, layout, forward.inputs, engine_seed)
+        sampler = DeviceSampler(state, forward.logits)
+        commit = DeviceCommit(geometry, state, region, layout)
+        return cls(geometry, state, scheduler, forward, sampler, commit, graphs)
+
+    # -- the pieces (capturable: no host sync) -----------------------------------------------------------
+    def schedule(self) -> None:
+        self.scheduler.launch()
+
+    def sample_greedy(self) -> None:
+        self.sampler.greedy()
+
+    def sample_full(self) -> None:
+        self.sampler.full()
+
+    def commit(self) -> None:
+        self.committer.launch()
+
+    def forward_bucket(self, index: int) -> None:
+        """Run forward bucket `index` (of geometry.buckets): its graph when captured, else eagerly."""
+        T = self.geometry.buckets[index]
+        if self.graphs is not None:
+            self.graphs.replay(T)
+        else:
+            self.forward_runner.step(T)
+
+    def body(self) -> list[Segment]:
+        """The loop body for DeviceLoop (needs the captured forward graphs)."""
+        if self.graphs is None:
+            raise RuntimeError("the device loop's body needs captured forward graphs (build on CUDA)")
+        return engine_body(
+            bucket_index=self.state.bucket_index, sampler_index=self.state.sampler_index,
+            forward=self.graphs, schedule=self.schedule, sample_greedy=self.sample_greedy,
+            sample_full=self.sample_full, commit=self.commit,
+        )  # fmt: skip
+
+    # -- host-driven pieces (they read the SWITCH values back: a sync each) ------------------------------
+    def forward(self) -> bool:
+        """Run the bucket schedule chose; False when it chose none (no forward this iteration)."""
+        index = int(self.state.bucket_index[0])
+        if not 0 <= index < len(self.geometry.buckets):
+            return False
+        self.forward_bucket(index)
+        return True
+
+    def sample(self) -> None:
+        """Run the variant schedule chose (0 greedy, 1 full; other values: none, as the SWITCH)."""
+        self.sampler.run()
+
+    def host_step(self) -> None:
+        """One loop iteration driven by the host: schedule, forward, sample, commit, then wait for it."""
+        self.schedule()
+        if self.forward():
+            self.sample()
+        self.commit()
+        if self.state.keep_running.is_cuda:
+            torch.cuda.current_stream(self.state.keep_running.device).synchronize()
+
+    def warmup(self) -> None:
+        """Compile and warm what the loop's graph captures, without touching the loop's state or the
+        ring: the schedule and commit kernels are compiled only (running them would admit records and
+        publish), the sampler (which writes nothing but `sampled`) runs. Nothing to compile on the CPU."""
+        if self.state.keep_running.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            self.scheduler.compile()
+        self.committer.compile()
+        self.sampler.greedy()
+        self.sampler.full()

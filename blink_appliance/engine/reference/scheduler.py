@@ -1,0 +1,191 @@
+"""Continuous batching with a token budget per step, chunked prefill and preemption by recompute.
+
+One call to `schedule()` decides one model step (docs/engine.md has the full state machine):
+
+1. Running sequences, oldest admission first. One with a single uncomputed token (decoding) gets
+   that token. One still prefilling gets a chunk of what the budget has left after reserving one
+   token for every decoding sequence not yet visited, so decodes never starve behind a long prompt.
+2. Every scheduled chunk gets the KV blocks it writes into. When the free list is short, the most
+   recently admitted running sequence is preempted (blocks freed, computed count reset to 0, back
+   into the waiting queue with its generated tokens kept, to be recomputed), until the chunk fits or
+   the sequence being scheduled is itself the victim.
+3. If nothing was preempted this step, waiting sequences are admitted in (priority, arrival) order
+   while there are free sequence slots, budget and blocks; the first one that does not fit stops
+   admission (no skipping, so FCFS holds within a priority class).
+
+A sequence samples in this step exactly when its chunk ends at its last token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from blink_appliance.engine.reference.block_allocator import BlockAllocator
+from blink_appliance.engine.reference.sequence import Sequence, SequenceStatus
+from blink_appliance.model.kv_cache import ForwardBatch
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position fed this step (= num_computed_tokens before the step)
+    num_tokens: int
+    samples: bool = field(init=False)  # the chunk ends at the sequence's last token: the step samples
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.seq.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # in batch order
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.samples]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []  # in admission order; the last one is the next victim
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+
+        # 1 + 2: running sequences, oldest admission first.
+        reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            remaining = seq.num_uncomputed_tokens
+            if remaining == 1:
+                reserved -= 1
+                n = 1
+            else:
+                n = min(remaining, budget - reserved)
+                if n <= 0:
+                    i += 1
+                    continue
+            need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            while not self.allocator.can_allocate(need):
+                victim = self.running[-1]
+                if victim is not seq and victim.num_uncomputed_tokens == 1:
+                    reserved -= 1  # its reserved decode token is no longer needed
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted itself; running[i] is now the next sequence
+            seq.block_table.extend(self.allocator.allocate(need))
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+
+        # 3: admit waiting sequences (not in a step that had to preempt: that would thrash).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self.blocks_for(n)
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            seq.block_table = self.allocator.allocate(need)
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, 0, n))
+            budget -= n
+        return SchedulerOutput(chunks, preempted)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the sequence's KV, requeue it with all its tokens to feed again."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues for good (stop, length or abort) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.allocator.free(seq.block_table)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+
+
+def build_forward_batch(
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device | str
+) -> ForwardBatch:
+    """The ForwardBatch (docs/kv_layout.md) for a step's chunks, in the given order, without padding."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    counts: list[int] = []
+    sample_rows: list[int] = []
+    for c in chunks:
+        input_ids.extend(c.seq.token_ids[c.start : c.end])
+        positions.extend(range(c.start, c.end))
+        query_start.append(query_start[-1] + c.num_tokens)
+        context_lens.append(c.end)
+        counts.append(c.num_tokens)
+        if c.samples:
+            sample_rows.append(query_start[-1] - 1)
+    width = max(len(c.seq.block_table) for c in chunks)
+    tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks]
+
+    pos = torch.tensor(positions, dtype=torch.int64)
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(counts))
+    slot_mapping = (
+        block_tables[seq_of_token, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=pos.to(device),
+        slot_mapping=slot_mapping.to(device),
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+    )

@@ -1,0 +1,143 @@
+"""Per-bucket launch shapes of the fixed-shape forward (model/gpu_forward.py): which projections run
+through the swap-AB Triton GEMM (kernels/skinny_gemm.py) and with what tiles, and the paged attention's
+tiles, splits and fused RoPE. Tuned on the H100; each plan's docstring cites its measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch shape of the paged-attention kernel for one bucket."""
+
+    block_q: int  # query tokens per program (times the GQA group = tile rows)
+    block_n: int  # keys per tile
+    splits: int  # split-KV factor (1 = no merge kernel)
+    num_warps: int
+    num_stages: int
+    # RoPE and this step's KV-cache write done by the attention itself (kernels/paged_attention.py,
+    # FusedRope): one kernel fewer per layer. Models with per-head q/k norms (Qwen3) keep the
+    # separate RoPE kernel.
+    fused_rope: bool = False
+
+
+def attention_config(num_tokens: int) -> AttentionConfig:
+    """Per bucket, from H100 sweeps (bench/attention_chain.py: 16 layers' launches in one graph, as the
+    step runs them; docs/gpu_forward.md): decode buckets have few programs per layer, so key ranges are
+    split to put more loads in flight and small programs (1-2 warps) start faster (T=32: 1 warp, 213 ->
+    187 us for 16 layers); from 128 tokens on
+    there are programs enough and the merge kernel would cost more than it saves; prefill-heavy buckets
+    take 16-token query tiles and 64-key tiles.
+    33-128 tokens: the attention does RoPE and the cache write itself (`fused_rope`; 1B T=128
+    1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and
+    32 tokens it measured slower (1-warp programs need more registers for it) or a tie, so those
+    keep the RoPE kernel."""
+    if num_tokens <= 8:
+        return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
+    if num_tokens <= 32:
+        return AttentionConfig(block_q=4, block_n=32, splits=4, num_warps=1, num_stages=2)
+    if num_tokens <= 128:
+        return AttentionConfig(block_q=4, block_n=32, splits=1, num_warps=2, num_stages=2, fused_rope=True)
+    return AttentionConfig(block_q=16, block_n=64, splits=1, num_warps=4, num_stages=3)
+
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Launch shape of one swap-AB Triton GEMM (kernels/skinny_gemm.py)."""
+
+    split_k: int = 1  # > 1: fp32 partials, summed by the consumer (add+RMSNorm)
+    block_n: int = 64  # weight rows per program (the MMA's M side)
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    # Split-K partials in fp32, or (False) in the weights' dtype: half the bytes, one more rounding.
+    fp32_partials: bool = True
+    # O and down only: add the product into the fp32 residual stream (split-K slices with atomics), so
+    # there are no partials and the norm after it only reads the stream; fp32 adds in varying order.
+    accumulate: bool = False
+
+    def kernel_args(self) -> dict:
+        """The launch shape as skinny_gemm's keyword arguments."""
+        args = asdict(self)
+        del args["fp32_partials"]
+        return args
+
+
+@dataclass(frozen=True)
+class DecodeGemms:
+    """Which projections of a bucket run through the swap-AB Triton GEMM (a launch shape) and which
+    through cuBLAS (None). O and down split K into partials that the next add+RMSNorm sums (or add
+    into the residual stream themselves, `accumulate`), QKV into partials that RoPE sums, so there is
+    no split-K reduce kernel."""
+
+    qkv: GemmLaunch | None = None
+    o: GemmLaunch | None = None
+    gate_up: GemmLaunch | None = None
+    down: GemmLaunch | None = None
+    silu_in_down: bool = False  # SiLU*up in the down GEMM's prologue instead of its own kernel
+    silu_in_gate_up: bool = False  # the gate+up GEMM writes silu(gate)*up itself (its epilogue)
+
+    def __post_init__(self) -> None:
+        if self.silu_in_down and self.down is None:
+            raise ValueError("silu_in_down needs the Triton down GEMM")
+        if self.silu_in_gate_up and (self.gate_up is None or self.silu_in_down or self.gate_up.split_k > 1):
+            raise ValueError("silu_in_gate_up needs the Triton gate+up GEMM unsplit, and not silu_in_down")
+        if any(g and g.accumulate for g in (self.qkv, self.gate_up)):
+            raise ValueError("only O and down can accumulate into the residual stream")
+
+    @property
+    def accumulates(self) -> bool:
+        return any(g and g.accumulate for g in (self.o, self.down))
+
+
+CUBLAS_GEMMS = DecodeGemms()
+
+
+def decode_gemms(num_tokens: int) -> DecodeGemms:
+    """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
+    bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py,
+    bench/results/2026-11-23-h100-forward-gated-gemm.md, 2026-11-23-h100-forward-accumulate.md).
+    Prefill-sized buckets are compute-bound and take cuBLAS.
+
+    O and down add their products into the fp32 residual stream (`accumulate`, split-K slices with
+    atomics): no partials to write, and the norm after each reads only the stream (1B: T=8 1.199 ->
+    1.153 ms, T=128 1.710 -> 1.673; O at 65-128 tokens moves off cuBLAS with it).
+    Up to 16 tokens everything is Triton and the SiLU runs in the down GEMM's prologue: recomputed per
+    weight tile, which is free at a few rows but costs 5x at 128; down splits 8 ways there.
+    From 17 tokens on all rows sit in one 8-warp tile (weights read once), QKV splits K in two (RoPE sums
+    the halves, kept in the weights' dtype: half the bytes of fp32) and QKV and O take 128-deep K tiles.
+    17-64 tokens: SiLU in its own kernel (the gated gate+up GEMM measured slower here: 1.376 -> 1.393 ms
+    at T=32). 65-128 tokens: the gate+up GEMM writes silu(gate)*up itself (no activation kernel, 1B
+    T=128 1.806 -> 1.753 ms)."""
+    if num_tokens <= 16:
+        return DecodeGemms(
+            qkv=GemmLaunch(split_k=4, block_k=64),
+            o=GemmLaunch(split_k=4, accumulate=True),
+            gate_up=GemmLaunch(block_n=128, block_k=64),
+            down=GemmLaunch(split_k=8, accumulate=True),
+            silu_in_down=True,
+        )
+    if num_tokens > 128:
+        return CUBLAS_GEMMS
+    return DecodeGemms(
+        qkv=GemmLaunch(split_k=2, block_k=128, num_warps=8, fp32_partials=False),
+        o=GemmLaunch(split_k=4, block_k=128, num_warps=8, accumulate=True),
+        gate_up=GemmLaunch(block_k=64, num_warps=8),
+        down=GemmLaunch(split_k=4, block_k=128, num_warps=8, accumulate=True),
+        silu_in_gate_up=num_tokens > 64,
+    )
+
+
+def deterministic_gemms(num_tokens: int) -> DecodeGemms:
+    """`decode_gemms` without atomics: O and down write split-K partials that the next norm sums in a
+    fixed order (fp32 up to 16 tokens, the weights' dtype above; O on cuBLAS at 65-128 tokens, where
+    its partials cost more than cuBLAS), so the same step gives the same bits every run. 1B on the
+    H100: T=8 1.127 -> 1.182 ms, T=128 1.652 -> 1.706 (bench/results/2026-11-23-h100-forward-accumulate.md)."""
+    g = decode_gemms(num_tokens)
+    if not g.accumulates:
+        return g
+    small = num_tokens <= 16
+    o = replace(g.o, accumulate=False, fp32_partials=small) if num_tokens <= 64 else None
+    return replace(g, o=o, down=replace(g.down, accumulate=False, fp32_partials=small))

@@ -1,0 +1,402 @@
+"""Front-end side of the rings: submit requests, stream their tokens, cancel, watch the engine.
+
+Used by the aiohttp front end. `submit` and `cancel` are plain calls (a few stores into the
+region); one pump task on the event loop polls every open channel, feeds per-request queues and
+writes the front end's heartbeat. Single producer: one EngineClient per region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.wire.ring_layout import (
+    FINAL_BIT,
+    FINISH_FROM_CODE,
+    EngineState,
+    ErrorCode,
+    RingGeometry,
+)
+from blink_appliance.wire.transport import Transport
+
+
+class EngineBusyError(Exception):
+    """No room right now (request ring, token arena or in-flight slots full); retry later."""
+
+
+class EngineDeadError(Exception):
+    """The engine's heartbeat is stale or it is not running."""
+
+
+@dataclass
+class _Pending:
+    request_id: int
+    slot: int
+    generation: int
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    terminated: bool = False  # the stream already got its terminal event (maybe a local one)
+    payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
+
+
+class EngineClient:
+    def __init__(
+        self,
+        region: RingRegion,
+        *,
+        dead_after_s: float = 0.8,
+        poll_interval_s: float = 0.0005,
+        spin_s: float = 0.0005,
+        payload_timeout_s: float = 1.0,
+    ) -> None:
+        self.region = region
+        self.geometry = region.geometry
+        self.dead_after_ns = int(dead_after_s * 1e9)
+        self.poll_interval_s = poll_interval_s
+        # After activity, poll without sleeping this long: asyncio sleeps round up to 1 ms.
+        self.spin_ns = int(spin_s * 1e9)
+        # A count may be seen before the token and stamp it covers have arrived (a weakly ordered
+        # writer; seen once on the H100): wait this long for them, then fail the stream.
+        self.payload_timeout_ns = int(payload_timeout_s * 1e9)
+        self.payload_waits = 0  # waits begun so (telemetry: any is an engine write-ordering bug)
+        self._active_ns = 0  # last submit or delivered event
+        self._nap_future: asyncio.Future[None] | None = None
+        n = self.geometry.max_inflight
+        self._tracked_gen = np.zeros(n, dtype=np.uint64)  # generation we wait on per slot; 0 = free
+        self._delivered = np.zeros(n, dtype=np.uint64)  # tokens read from each slot
+        self._by_slot: dict[int, _Pending] = {}
+        self._by_id: dict[int, _Pending] = {}
+        self._free: deque[int] = deque()
+        self._pump: asyncio.Task[None] | None = None
+        self._closed = False
+        self._beat_value = 0
+        self._beat_seen_ns = 0
+        self._head = self._arena_head = self._next_id = 0
+
+    @classmethod
+    def attach(cls, transport: Transport, geometry: RingGeometry, **options: float) -> EngineClient:
+        return cls(RingRegion.attach(transport, geometry), **options)
+
+    # -- life cycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Take the producer role and start the pump on the running loop."""
+        if self._pump is not None:
+            raise RuntimeError("EngineClient already started")
+        r = self.region
+        r.store("frontend_epoch", r.load("frontend_epoch") + 1)
+        r.store("frontend_pid", os.getpid())
+        r.store("frontend_heartbeat_ns", time.monotonic_ns())
+        self._head, self._arena_head = r.load("req_head"), r.load("arena_head")
+        self._next_id = max(r.load("next_request_id"), 1)
+        # A slot is ours again once the engine finished its last generation; slots a previous
+        # front end left open stay tracked (no stream) until the engine reclaims them.
+        ctl, prog = r.ctl_table(), r.progress_table()
+        for slot in range(self.geometry.max_inflight):
+            gen = int(ctl["generation"][slot])
+            if gen == int(prog["done"][slot]):
+                self._free.append(slot)
+            else:
+                self._tracked_gen[slot] = gen
+        self._beat_value = r.load("engine_heartbeat_ns")
+        self._beat_seen_ns = time.monotonic_ns() - self.dead_after_ns - 1
+        self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="engine-client-pump")
+        # Give a live engine a moment to show a heartbeat, so the first submit does not see it dead.
+        deadline = time.monotonic() + 0.25
+        while not self.engine_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        """Cancel what is in flight (the engine frees it) and end every open stream."""
+        if self._closed:
+            return
+        self._closed = True
+        for pending in list(self._by_id.values()):
+            self.cancel(pending.request_id)
+            self._terminate_locally(pending, FinishReason.ABORT, "client closed")
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
+        """Publish one request; returns its id. Never blocks: a full ring raises EngineBusyError."""
+        if self._pump is None or self._closed:
+            raise RuntimeError("EngineClient is not started (await start()) or already closed")
+        g = self.geometry
+        params.validate()
+        prompt = np.asarray(prompt_token_ids, dtype=np.int64)
+        if prompt.ndim != 1 or not 1 <= prompt.size <= g.max_prompt_tokens:
+            raise ValueError(f"prompt must hold 1 to {g.max_prompt_tokens} token ids, got {prompt.size}")
+        if prompt.min() < 0 or prompt.max() >= 2**31:
+            raise ValueError("prompt token ids must be in [0, 2**31)")
+        if params.max_tokens > g.max_output_tokens:
+            raise ValueError(
+                f"max_tokens {params.max_tokens} exceeds this server's limit {g.max_output_tokens}"
+            )
+        if len(params.stop_token_ids) > g.max_stop_ids:
+            raise ValueError(f"at most {g.max_stop_ids} stop token ids, got {len(params.stop_token_ids)}")
+        if any(not 0 <= t < 2**31 for t in params.stop_token_ids):
+            raise ValueError("stop token ids must be in [0, 2**31)")
+        if not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must fit in int32, got {priority}")
+        if not self.engine_alive:
+            raise EngineDeadError(f"engine is not running ({self._why_dead()})")
+        r = self.region
+        if not self._free:
+            raise EngineBusyError(f"all {g.max_inflight} in-flight slots are taken")
+        if self._head - r.load("req_tail") >= g.request_slots:
+            raise EngineBusyError(f"request ring full ({g.request_slots} records queued)")
+        n = int(prompt.size)
+        position = self._arena_head
+        if position % g.arena_tokens + n > g.arena_tokens:
+            position += g.arena_tokens - position % g.arena_tokens  # keep the prompt contiguous
+        end = position + n
+        if end - r.load("arena_tail") > g.arena_tokens:
+            raise EngineBusyError("prompt token arena full")
+
+        slot = self._free.popleft()
+        generation = int(r.load_ctl(slot, "generation")) + 1
+        request_id = self._next_id
+        self._next_id += 1
+        # The slot is ours (done == previous generation): reset it, then claim the new generation.
+        r.store_progress(slot, "count", 0)
+        r.clear_status(slot)
+        r.clear_stamps(slot, params.max_tokens)  # 0 marks a token not yet written (see _drain_slot)
+        r.store_ctl(slot, "request_id", request_id)
+        r.store_ctl(slot, "generation", generation)
+        r.write_prompt(position, prompt.astype("<i4"))
+        self._arena_head = end
+        r.store("arena_head", end)
+        record = r.request_record((request_id, generation, slot, priority), (position, end, n), params)
+        r.publish_record(self._head, record)
+        self._head += 1
+        r.store("next_request_id", self._next_id)
+        r.doorbell("req_head", self._head)
+
+        self._active_ns = time.monotonic_ns()
+        self._wake()  # the pump spins again while this request is young
+        pending = _Pending(request_id, slot, generation)
+        self._by_id[request_id] = pending
+        self._by_slot[slot] = pending
+        self._tracked_gen[slot] = generation
+        self._delivered[slot] = 0
+        return request_id
+
+    async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
+        """The request's events, ending with its terminal one. Leaving early cancels the request
+        (use contextlib.aclosing for a prompt cancel on `break`)."""
+        pending = self._by_id.get(request_id)
+        if pending is None:
+            raise KeyError(f"unknown or already finished request id {request_id}")
+        finished = False
+        try:
+            while True:
+                event = await pending.queue.get()
+                if event.finished:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(request_id)
+            self._by_id.pop(request_id, None)
+
+    def cancel(self, request_id: int) -> None:
+        """Ask the engine to abort; the stream still ends with an ABORT terminal event."""
+        pending = self._by_id.get(request_id)
+        if pending is not None and self._by_slot.get(pending.slot) is pending:  # slot not yet reused
+            self.region.store_ctl(pending.slot, "cancel", pending.generation)
+
+    # -- engine liveness and telemetry -------------------------------------------------------------
+    @property
+    def engine_alive(self) -> bool:
+        """Running and its heartbeat advanced within the last `dead_after_s` (our own clock)."""
+        now = time.monotonic_ns()
+        beat = self.region.load("engine_heartbeat_ns")
+        if beat != self._beat_value:
+            self._beat_value, self._beat_seen_ns = beat, now
+        return (
+            self.region.load("engine_state") == EngineState.RUNNING
+            and now - self._beat_seen_ns <= self.dead_after_ns
+        )
+
+    def _why_dead(self) -> str:
+        """Which half of `engine_alive` failed, for the error a caller sees."""
+        state = self.region.load("engine_state")
+        if state != EngineState.RUNNING:
+            try:
+                return f"engine state {EngineState(state).name}"
+            except ValueError:
+                return f"engine state word {state}"
+        age_s = (time.monotonic_ns() - self._beat_seen_ns) / 1e9
+        return f"heartbeat last advanced {age_s:.1f} s ago, limit {self.dead_after_ns / 1e9:g} s"
+
+    def telemetry(self) -> dict[str, int | float]:
+        r = self.region
+        values: dict[str, int | float] = dict(r.read_telemetry())
+        values.update(
+            engine_alive=int(self.engine_alive),
+            engine_epoch=r.load("engine_epoch"),
+            engine_state=r.load("engine_state"),
+            ring_queued=self._head - r.load("req_tail"),
+            ring_capacity=self.geometry.request_slots,
+            inflight=len(self._by_slot),
+            inflight_capacity=self.geometry.max_inflight,
+            arena_used=self._arena_head - r.load("arena_tail"),
+            arena_capacity=self.geometry.arena_tokens,
+            payload_waits=self.payload_waits,
+        )
+        return values
+
+    # -- the pump ---------------------------------------------------------------------------------
+    async def _run_pump(self) -> None:
+        while True:
+            now = time.monotonic_ns()
+            self.region.store("frontend_heartbeat_ns", now)
+            if self._poll_channels():
+                self._active_ns = now
+            if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
+                self._fail_pending(f"engine is dead: {self._why_dead()}")
+            if bool(self._by_slot) and now - self._active_ns < self.spin_ns:
+                await asyncio.sleep(0)
+            else:
+                await self._nap(self.poll_interval_s)
+
+    async def _nap(self, seconds: float) -> None:
+        """Sleep that `submit` can cut short (no syscall: just resolves a future on this loop)."""
+        loop = asyncio.get_running_loop()
+        self._nap_future = loop.create_future()
+        handle = loop.call_later(seconds, self._wake)
+        try:
+            await self._nap_future
+        finally:
+            handle.cancel()
+            self._nap_future = None
+
+    def _wake(self) -> None:
+        if self._nap_future is not None and not self._nap_future.done():
+            self._nap_future.set_result(None)
+
+    def _poll_channels(self) -> bool:
+        """One pass over the tracked channels; True if any event was delivered or slot freed."""
+        if not self._tracked_gen.any():
+            return False
+        prog = self.region.progress_table()
+        tracked = self._tracked_gen != 0
+        counts = prog["count"] & np.uint64(FINAL_BIT - 1)
+        final = (prog["count"] & np.uint64(FINAL_BIT)) != 0
+        done = tracked & (prog["done"] == self._tracked_gen)
+        moved = False
+        for slot in np.nonzero(tracked & (done | final | (counts > self._delivered)))[0]:
+            moved |= self._drain_slot(int(slot), bool(done[slot]), int(prog["count"][slot]))
+        return moved
+
+    def _drain_slot(self, slot: int, done: bool, count_word: int) -> bool:
+        r = self.region
+        if done:
+            count_word = r.load_progress(slot, "count")  # re-read after seeing done: now final
+        final = bool(count_word & FINAL_BIT)
+        count = min(count_word & (FINAL_BIT - 1), self.geometry.max_output_tokens)
+        start = int(self._delivered[slot])
+        pending = self._by_slot.get(slot)
+        moved = False
+        if pending is not None and not pending.terminated and (count > start or final):
+            tokens, times = r.read_output(slot, start, max(start, count))
+            status = r.read_status(slot) if final else None
+            unwritten = np.flatnonzero(times == 0)
+            arrived = int(unwritten[0]) if unwritten.size else len(times)
+            if arrived < len(times) or (status is not None and status["finish_ns"] == 0):
+                # The publishing word arrived before the payload it covers (stamps and finish_ns are
+                # never 0 once written; claim zeroed them): deliver what is there, wait for the rest.
+                return self._wait_for_payload(pending, slot, start, tokens, times, arrived, final)
+            pending.payload_wait_since_ns = 0
+            terminal_token = bool(final and status["terminal_token"] and count > start)
+            self._deliver(pending, tokens, times, len(tokens) - int(terminal_token))
+            if terminal_token:
+                self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
+            if final and not pending.terminated:
+                self._emit_terminal(pending, status, None, int(status["finish_ns"]))
+            moved = True
+        self._delivered[slot] = count
+        if done:
+            self._tracked_gen[slot] = 0
+            self._free.append(slot)
+            self._by_slot.pop(slot, None)  # the id stays known until its stream has ended
+            moved = True
+        return moved
+
+    def _wait_for_payload(
+        self,
+        pending: _Pending,
+        slot: int,
+        start: int,
+        tokens: np.ndarray,
+        times: np.ndarray,
+        arrived: int,
+        final: bool,
+    ) -> bool:
+        """Deliver the tokens whose stamps are there (not the last one of a final count: it may be the
+        terminal's); the slot stays tracked and the next poll reads the rest. A payload that never
+        arrives ends the stream with an error instead of a stream of zeros."""
+        now = time.monotonic_ns()
+        if not pending.payload_wait_since_ns:
+            pending.payload_wait_since_ns = now
+            self.payload_waits += 1
+        ready = max(0, min(arrived, len(tokens) - 1)) if final else arrived
+        self._deliver(pending, tokens, times, ready)
+        self._delivered[slot] = start + ready
+        if ready:
+            pending.payload_wait_since_ns = now  # progress: the timeout counts from here
+        elif now - pending.payload_wait_since_ns > self.payload_timeout_ns:
+            self._delivered[slot] = start + len(tokens)
+            self.region.store_ctl(slot, "cancel", pending.generation)  # the engine stops writing it
+            missing = f"token {start + arrived}" if arrived < len(tokens) else "finish status"
+            self._terminate_locally(
+                pending,
+                FinishReason.ERROR,
+                f"engine_failure: the engine published the stream's {missing} but it never arrived "
+                f"(waited {self.payload_timeout_ns / 1e9:g} s)",
+            )
+            return True
+        return ready > 0
+
+    @staticmethod
+    def _deliver(pending: _Pending, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
+        """The first `n` tokens as non-final events."""
+        for i in range(n):
+            pending.queue.put_nowait(
+                TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
+            )
+
+    def _emit_terminal(self, pending: _Pending, status: np.void, token: int | None, stamp: int) -> None:
+        reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)
+        code = int(status["error_code"])
+        detail = bytes(status["error_detail"]).rstrip(b"\0").decode("utf-8", "replace")
+        error = None
+        if code != ErrorCode.NONE or reason is FinishReason.ERROR:
+            name = ErrorCode(code).name.lower() if code in ErrorCode._value2member_map_ else f"error {code}"
+            error = f"{name}: {detail}" if detail else name
+        pending.queue.put_nowait(TokenEvent(pending.request_id, token, reason, error, stamp))
+        pending.terminated = True
+
+    def _terminate_locally(self, pending: _Pending, reason: FinishReason, error: str) -> None:
+        if not pending.terminated:
+            pending.queue.put_nowait(TokenEvent(pending.request_id, None, reason, error, time.monotonic_ns()))
+            pending.terminated = True
+
+    def _fail_pending(self, error: str) -> None:
+        """Engine gone: end every open stream now; the slots come back when an engine finishes them."""
+        for pending in self._by_id.values():
+            if not pending.terminated:
+                self.region.store_ctl(pending.slot, "cancel", pending.generation)
+                self._terminate_locally(pending, FinishReason.ERROR, error)

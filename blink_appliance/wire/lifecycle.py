@@ -1,0 +1,268 @@
+"""What every engine on the rings does around its token path: take the region for a new epoch,
+finish channels a dead epoch left open, heartbeat, publish terminal events, drain the request ring;
+ServerLifecycle puts the steps both ring servers take the same way together.
+
+Two engines build on it: EngineServer (the CPU reference engine, Python on the token path) and
+LoopEngineServer (the GPU loop, kernels on the token path). The protocol these helpers follow is
+docs/protocol.md ("Slot ownership", "Liveness", "Engine restart").
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.request import FinishReason
+from blink_appliance.wire.ring_layout import FINAL_BIT, FINISH_CODES, EngineState, ErrorCode
+
+# Value of the `shutdown` word an engine writes for itself (on SIGTERM) so that a loop which only
+# reads the ring learns of it. The daemon writes 1; an engine takes back only its own 2 when it
+# exits, so a later engine epoch on the same region is not stopped by an old signal.
+ENGINE_SHUTDOWN_REQUEST = 2
+# How often an engine writes its heartbeat word; the front end's liveness limit is a multiple of it.
+HEARTBEAT_INTERVAL_S = 0.05
+# How long the front end's heartbeat may stand still before an engine reclaims its requests.
+FRONTEND_TIMEOUT_S = 5.0
+
+
+def begin_epoch(region: RingRegion) -> int:
+    """Take the region: state STARTING, epoch + 1, our pid. Returns the new epoch."""
+    region.store("engine_state", EngineState.STARTING)
+    epoch = region.load("engine_epoch") + 1
+    region.store("engine_epoch", epoch)
+    region.store("engine_pid", os.getpid())
+    return epoch
+
+
+def queued_channels(region: RingRegion) -> set[tuple[int, int]]:
+    """(slot, generation) of every record published and not yet consumed."""
+    queued: set[tuple[int, int]] = set()
+    for position in range(region.load("req_tail"), region.load("req_head")):
+        if region.record_seq(position) == position + 1:
+            record = region.read_record(position)[0]
+            queued.add((int(record["slot"]), int(record["generation"])))
+    return queued
+
+
+def finish_open_channels(region: RingRegion, reason: FinishReason, code: ErrorCode, detail: str) -> list[int]:
+    """Terminal event on every channel the engine side owns (generation != done) whose record is
+    no longer queued: requests an engine took and will never finish. Returns their slots.
+
+    Only call it when no engine is writing channels: at the start of an epoch, or after this
+    epoch's token path has stopped. Queued records are left for whoever reads the ring next.
+    """
+    queued = queued_channels(region)
+    ctl, prog = region.ctl_table(), region.progress_table()
+    finished = []
+    for slot in (int(s) for s in (ctl["generation"] != prog["done"]).nonzero()[0]):
+        generation = int(ctl["generation"][slot])
+        if (slot, generation) not in queued:
+            write_terminal(region, slot, generation, reason, code, detail)
+            finished.append(slot)
+    return finished
+
+
+def write_terminal(
+    region: RingRegion,
+    slot: int,
+    generation: int,
+    reason: FinishReason,
+    code: ErrorCode,
+    detail: str,
+    *,
+    token: bool = False,
+    stamp: int = 0,
+    count: int | None = None,
+) -> None:
+    """Status, then the final count (| FINAL_BIT), then done = generation: after that last store
+    the slot is the front end's. `count` None: keep what the channel already holds."""
+    if count is None:
+        count = region.load_progress(slot, "count") & ~FINAL_BIT
+    region.write_status(
+        slot,
+        finish_ns=stamp or time.monotonic_ns(),
+        finish_code=FINISH_CODES[reason],
+        error_code=int(code),
+        terminal_token=token,
+        detail=detail,
+    )
+    region.store_progress(slot, "count", count | FINAL_BIT)
+    region.store_progress(slot, "done", generation)
+
+
+def release_arena(region: RingRegion, arena_tail: int, arena_end: int) -> int:
+    """Release prompt tokens up to a record's `arena_end`, clamped to [arena_tail, arena_head] so a
+    bad record cannot corrupt the counter; returns the new arena tail."""
+    end = min(max(arena_end, arena_tail), region.load("arena_head"))
+    if end != arena_tail:
+        region.store("arena_tail", end)
+    return end
+
+
+def drain_ring(region: RingRegion, reason: FinishReason, code: ErrorCode, detail: str) -> int:
+    """Consume every published record without running it, finishing its channel; returns how many.
+
+    Reads and advances the consumer words (req_tail, arena_tail) in the region itself, so the
+    caller must be the ring's only consumer now.
+    """
+    tail, arena_tail = region.load("req_tail"), region.load("arena_tail")
+    drained = 0
+    while region.record_seq(tail) == tail + 1:
+        record = region.read_record(tail)[0]
+        slot, generation = int(record["slot"]), int(record["generation"])
+        arena_tail = release_arena(region, arena_tail, int(record["arena_end"]))
+        if (
+            slot < region.geometry.max_inflight
+            and generation
+            and region.load_ctl(slot, "generation") == generation
+        ):
+            write_terminal(region, slot, generation, reason, code, detail)
+        tail += 1
+        region.store("req_tail", tail)
+        drained += 1
+    return drained
+
+
+def request_shutdown(region: RingRegion) -> None:
+    """Ask the token path to stop through the ring's shutdown word (unless someone already did)."""
+    if not region.load("shutdown"):
+        region.store("shutdown", ENGINE_SHUTDOWN_REQUEST)
+
+
+def withdraw_shutdown_request(region: RingRegion) -> None:
+    """Clear the shutdown word if it still holds this engine's own request (see ENGINE_SHUTDOWN_REQUEST)."""
+    if region.load("shutdown") == ENGINE_SHUTDOWN_REQUEST:
+        region.store("shutdown", 0)
+
+
+class Heartbeat:
+    """Writes engine_heartbeat_ns (CLOCK_MONOTONIC) every `interval_s`, from a thread of its own so
+    a long step is not mistaken for death; it dies with the process, which the front end notices."""
+
+    def __init__(self, region: RingRegion, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.region = region
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        self.region.store("engine_heartbeat_ns", time.monotonic_ns())
+
+    def start(self) -> None:
+        self._stop.clear()  # a server may run again after a stop
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="engine-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+
+class Throttle:
+    """`due()` is true at most once per interval (CLOCK_MONOTONIC), the first call included: how
+    often an engine copies its counters into the telemetry block between steps."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._interval_ns = int(interval_s * 1e9)
+        self._last_ns: int | None = None
+
+    def due(self) -> bool:
+        now = time.monotonic_ns()
+        if self._last_ns is not None and now - self._last_ns < self._interval_ns:
+            return False
+        self._last_ns = now
+        return True
+
+
+class FrontendWatch:
+    """The front end's heartbeat word seen through our own clock: lost once the word has not
+    changed for `timeout_s` (the clocks of the two processes are never compared)."""
+
+    def __init__(self, region: RingRegion, timeout_s: float) -> None:
+        self.region = region
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._beat = 0
+        self._seen_ns = 0
+
+    def restart(self) -> None:
+        """Count from now, so a new epoch gives the front end a whole timeout."""
+        self._beat, self._seen_ns = self.region.load("frontend_heartbeat_ns"), time.monotonic_ns()
+
+    def lost(self) -> bool:
+        """True at most once a timeout while the word stands still: the caller reclaims, and a
+        front end that still has not come back is reported again one timeout later."""
+        now = time.monotonic_ns()
+        beat = self.region.load("frontend_heartbeat_ns")
+        if beat != self._beat:
+            self._beat, self._seen_ns = beat, now
+            return False
+        if now - self._seen_ns <= self.timeout_ns:
+            return False
+        self._seen_ns = now
+        return True
+
+
+class ServerLifecycle:
+    """What both ring servers do the same way around their token path: take the region for a new
+    epoch, mark it RUNNING, STOPPED or FAILED, beat, watch the front end's heartbeat, and refresh
+    the telemetry block at most once per `telemetry_interval_s`.
+
+    `telemetry_values` reads the engine's telemetry words (TELEMETRY_FIELDS names, but updated_ns,
+    which is stamped here): each engine reads its counters its own way.
+    """
+
+    def __init__(
+        self,
+        region: RingRegion,
+        telemetry_values: Callable[[], Mapping[str, float]],
+        *,
+        heartbeat_interval_s: float,
+        telemetry_interval_s: float,
+        frontend_timeout_s: float,
+    ) -> None:
+        self.region = region
+        self.heartbeat = Heartbeat(region, heartbeat_interval_s)
+        self.frontend = FrontendWatch(region, frontend_timeout_s)
+        self.telemetry = Throttle(telemetry_interval_s)
+        self._telemetry_values = telemetry_values
+
+    def begin(self) -> None:
+        """Take the region for a new epoch (state STARTING): channels open without a queued record
+        were taken by an epoch that died and get engine_restarted (queued records will be served),
+        the front end's timeout counts from now, heartbeat and telemetry are fresh. The caller calls
+        `serving` once its token path runs."""
+        r = self.region
+        begin_epoch(r)
+        finish_open_channels(r, FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED, "engine restarted")
+        self.frontend.restart()
+        self.heartbeat.beat()
+        self.write_telemetry()
+
+    def serving(self) -> None:
+        self.region.store("engine_state", EngineState.RUNNING)
+
+    def stopped(self) -> None:
+        """The last telemetry, then STOPPED: the engine exits cleanly."""
+        self.write_telemetry()
+        self.region.store("engine_state", EngineState.STOPPED)
+
+    def failed(self) -> None:
+        self.region.store("engine_state", EngineState.FAILED)
+
+    def maybe_write_telemetry(self) -> None:
+        if self.telemetry.due():
+            self.write_telemetry()
+
+    def write_telemetry(self) -> None:
+        self.region.write_telemetry({**self._telemetry_values(), "updated_ns": time.monotonic_ns()})

@@ -1,0 +1,207 @@
+"""Typed access to the shared region through a Transport: the only code that turns layout offsets
+into reads and writes. Both ends build on it; neither touches raw offsets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from blink_appliance.wire.request import SamplingParams
+from blink_appliance.wire.ring_layout import (
+    CHANNEL_CTL,
+    CHANNEL_PROGRESS,
+    CHANNEL_STATUS,
+    CONTROL,
+    MAGIC,
+    TELEMETRY_FIELDS,
+    RingGeometry,
+    RingLayout,
+    geometry_header,
+)
+from blink_appliance.wire.transport import Transport
+
+
+class RingRegion:
+    def __init__(self, transport: Transport, geometry: RingGeometry) -> None:
+        self.transport = transport
+        self.geometry = geometry
+        self.layout = RingLayout.of(geometry)
+        if transport.size < self.layout.size:
+            raise ValueError(
+                f"transport region is {transport.size} bytes; geometry {geometry} needs {self.layout.size}"
+            )
+
+    # -- creation and attachment -----------------------------------------------------------------
+    @classmethod
+    def create(cls, transport: Transport, geometry: RingGeometry) -> RingRegion:
+        """Initialise a fresh (zeroed) region for `geometry`; the magic word is written last."""
+        region = cls(transport, geometry)
+        header = geometry_header(geometry)
+        rec = np.zeros(1, dtype=CONTROL)
+        for name, value in header.items():
+            rec[name] = value
+        rec["magic"] = 0
+        transport.write(0, rec.tobytes()[:64])
+        transport.store_u64(CONTROL.fields["magic"][1], MAGIC)
+        return region
+
+    @classmethod
+    def attach(cls, transport: Transport, geometry: RingGeometry) -> RingRegion:
+        """Map a region some creator initialised; refuse one built for another layout or geometry."""
+        if transport.size < 64:
+            raise ValueError(f"transport region of {transport.size} bytes is too small for a ring header")
+        have = np.frombuffer(transport.read(0, 64).ljust(CONTROL.itemsize, b"\0"), dtype=CONTROL)[0]
+        for name, want in geometry_header(geometry).items():
+            if int(have[name]) != want:
+                raise ValueError(
+                    f"shared region mismatch: header field {name} is {int(have[name])}, expected {want} "
+                    "(different protocol version or ring geometry on the two ends)"
+                )
+        return cls(transport, geometry)
+
+    # -- control words ----------------------------------------------------------------------------
+    def load(self, field: str) -> int:
+        return self.transport.load_u64(RingLayout.control(field))
+
+    def store(self, field: str, value: int) -> None:
+        self.transport.store_u64(RingLayout.control(field), value)
+
+    def doorbell(self, field: str, value: int) -> None:
+        self.transport.doorbell(RingLayout.control(field), value)
+
+    # -- request records --------------------------------------------------------------------------
+    def new_record(self) -> np.ndarray:
+        return np.zeros(1, dtype=self.layout.request)
+
+    def request_record(
+        self, ids: tuple[int, int, int, int], prompt: tuple[int, int, int], params: SamplingParams
+    ) -> np.ndarray:
+        """A request record: ids = (request_id, generation, slot, priority), prompt = (arena offset,
+        arena end, length), and the sampling parameters; publish it with `publish_record`."""
+        record = self.new_record()
+        rec = record[0]
+        rec["request_id"], rec["generation"], rec["slot"], rec["priority"] = ids
+        rec["prompt_offset"], rec["arena_end"], rec["prompt_len"] = prompt
+        rec["max_tokens"], rec["temperature"], rec["top_p"] = (
+            params.max_tokens,
+            params.temperature,
+            params.top_p,
+        )
+        rec["min_p"], rec["top_k"], rec["ignore_eos"] = params.min_p, params.top_k, int(params.ignore_eos)
+        rec["has_seed"], rec["seed"] = int(params.seed is not None), params.seed or 0
+        rec["n_stop"] = len(params.stop_token_ids)
+        rec["stop_ids"][: len(params.stop_token_ids)] = params.stop_token_ids
+        return record
+
+    def record_seq(self, position: int) -> int:
+        return self.transport.load_u64(self.layout.record(position))
+
+    def read_record(self, position: int) -> np.ndarray:
+        raw = self.transport.read(self.layout.record(position), self.layout.request.itemsize)
+        return np.frombuffer(raw, dtype=self.layout.request).copy()
+
+    def publish_record(self, position: int, record: np.ndarray) -> None:
+        """Write the payload, then the seq word (position + 1) with release semantics."""
+        offset = self.layout.record(position)
+        raw = record.tobytes()
+        self.transport.write(offset + 8, raw[8:])
+        self.transport.store_u64(offset, position + 1)
+
+    # -- token arena ------------------------------------------------------------------------------
+    def write_prompt(self, position: int, tokens: np.ndarray) -> None:
+        self.transport.write(self.layout.arena_at(position), np.ascontiguousarray(tokens, dtype="<i4"))
+
+    def read_prompt(self, position: int, n: int) -> np.ndarray:
+        return np.frombuffer(self.transport.read(self.layout.arena_at(position), 4 * n), dtype="<i4")
+
+    # -- output channels --------------------------------------------------------------------------
+    def ctl_table(self) -> np.ndarray:
+        raw = self.transport.read(self.layout.chan_ctl, CHANNEL_CTL.itemsize * self.geometry.max_inflight)
+        return np.frombuffer(raw, dtype=CHANNEL_CTL)
+
+    def progress_table(self) -> np.ndarray:
+        n = CHANNEL_PROGRESS.itemsize * self.geometry.max_inflight
+        return np.frombuffer(self.transport.read(self.layout.chan_prog, n), dtype=CHANNEL_PROGRESS)
+
+    def load_ctl(self, slot: int, field: str) -> int:
+        return self.transport.load_u64(self.layout.ctl(slot, field))
+
+    def store_ctl(self, slot: int, field: str, value: int) -> None:
+        self.transport.store_u64(self.layout.ctl(slot, field), value)
+
+    def load_progress(self, slot: int, field: str) -> int:
+        return self.transport.load_u64(self.layout.prog(slot, field))
+
+    def store_progress(self, slot: int, field: str, value: int) -> None:
+        self.transport.store_u64(self.layout.prog(slot, field), value)
+
+    def read_status(self, slot: int) -> np.void:
+        raw = self.transport.read(self.layout.stat(slot), CHANNEL_STATUS.itemsize)
+        return np.frombuffer(raw, dtype=CHANNEL_STATUS)[0]
+
+    def write_status(
+        self,
+        slot: int,
+        *,
+        finish_ns: int,
+        finish_code: int,
+        error_code: int,
+        terminal_token: bool,
+        detail: str,
+    ) -> None:
+        status = np.zeros(1, dtype=CHANNEL_STATUS)
+        status["finish_ns"] = finish_ns
+        status["finish_reason"] = finish_code
+        status["error_code"] = error_code
+        status["terminal_token"] = int(terminal_token)
+        status["error_detail"] = detail.encode("utf-8")[: CHANNEL_STATUS["error_detail"].itemsize]
+        self.transport.write(self.layout.stat(slot), status.tobytes())
+
+    def clear_status(self, slot: int) -> None:
+        self.transport.write(self.layout.stat(slot), bytes(CHANNEL_STATUS.itemsize))
+
+    def clear_stamps(self, slot: int, n: int) -> None:
+        """Zero a channel's first `n` token stamps: an engine's stamp is never 0, so a reader can
+        tell a token that has arrived from one whose count was seen first."""
+        self.transport.write(self.layout.time(slot, 0), bytes(8 * n))
+
+    def write_output_token(self, slot: int, index: int, token_id: int, time_ns: int) -> None:
+        self.transport.write(self.layout.token(slot, index), int(token_id).to_bytes(4, "little", signed=True))
+        self.transport.write(self.layout.time(slot, index), int(time_ns).to_bytes(8, "little"))
+
+    def read_output(self, slot: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        n = stop - start
+        tokens = np.frombuffer(self.transport.read(self.layout.token(slot, start), 4 * n), dtype="<i4")
+        times = np.frombuffer(self.transport.read(self.layout.time(slot, start), 8 * n), dtype="<u8")
+        return tokens, times
+
+    # -- telemetry (seqlock: odd while the engine writes) ------------------------------------------
+    def write_telemetry(self, values: Mapping[str, float]) -> None:
+        # Start from an even word: a writer that died mid-write (a recovered engine) left it odd,
+        # and counting on from there would mark every later block as "being written".
+        seq = (self.load("telemetry_seq") + 1) & ~1
+        self.store("telemetry_seq", seq + 1)
+        block = np.array([int(values.get(name, 0)) for name in TELEMETRY_FIELDS], dtype="<u8")
+        self.transport.write(RingLayout.control("t_" + TELEMETRY_FIELDS[0]), block)
+        self.store("telemetry_seq", seq + 2)
+
+    def read_telemetry(self, timeout_s: float = 1.0) -> dict[str, int]:
+        """One consistent telemetry block. A retry sleeps (0, then up to 1 ms) rather than spins:
+        on a small host the writer can be descheduled mid-write, and only yielding lets it finish."""
+        start = RingLayout.control("t_" + TELEMETRY_FIELDS[0])
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        while True:
+            before = self.load("telemetry_seq")
+            if not before & 1:
+                block = np.frombuffer(self.transport.read(start, 8 * len(TELEMETRY_FIELDS)), dtype="<u8")
+                if self.load("telemetry_seq") == before:
+                    return {name: int(v) for name, v in zip(TELEMETRY_FIELDS, block, strict=True)}
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"telemetry block still being written after {timeout_s:g} s (sequence word {before})"
+                )
+            time.sleep(pause)
+            pause = min(max(2 * pause, 1e-5), 1e-3)

@@ -1,0 +1,76 @@
+"""What goes into an engine (requests, sampling parameters) and what comes out (token events).
+
+These are the engine's own types; the ring layout (ring_layout.py) and the HTTP API (frontend/) translate
+to and from them at their edges.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id (stop strings are the front end's business)
+    LENGTH = "length"  # max_tokens reached, or max_model_len
+    ABORT = "abort"  # cancelled by the client or by shutdown
+    ERROR = "error"  # rejected or failed; TokenEvent.error says why
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first; FCFS within a class
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One output of an engine step for one request.
+
+    A request yields zero or more events with a token and exactly one terminal event
+    (finish_reason set). The terminal event carries the last token when there is one
+    (token_id is None for aborts and errors).
+    """
+
+    request_id: int
+    token_id: int | None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    timestamp_ns: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,168 @@
+"""The front-end process: `python -m blink_appliance.frontend PROFILE [--host H] [--port P] [--ready-file F]`.
+
+Attaches to the rings the daemon created, serves HTTP, and on SIGTERM drains: new requests get
+503, in-flight ones get `appliance.drain_timeout_s` to finish, the rest are cancelled, exit 0.
+SIGINT is ignored (the daemon decides); see engine/process.py for why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from blink_appliance.processes import pin_cpus, watch_parent
+from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
+
+if TYPE_CHECKING:
+    from blink_appliance.frontend.token_id_vocabulary import TokenIdVocabulary
+
+    from blink_appliance.model.tokenizer import Tokenizer
+
+log = logging.getLogger("blink_appliance.frontend")
+
+
+def serving_tokenizer(source: str) -> Tokenizer | TokenIdVocabulary:
+    """The tokenizer the front end serves `source` with: the model's own, or for a `dummy:` preset
+    (which has none) token-id prompts in and ids as text out (token_id_vocabulary.py)."""
+    from blink_appliance.frontend.token_id_vocabulary import token_id_vocabulary_for
+
+    from blink_appliance.model.sources import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    if tokenizer is not None:
+        return tokenizer
+    vocabulary = token_id_vocabulary_for(source)
+    if vocabulary is None:
+        raise ProfileError(
+            f"models[0].source: {source!r} has no tokenizer, and the HTTP front end needs one "
+            "(only dummy: models are served without one, with token-id prompts)"
+        )
+    log.info("%s has no tokenizer: token-id prompts only, output text is the ids", source)
+    return vocabulary
+
+
+async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | None) -> None:
+    # First: a SIGTERM while this process starts must still end in the drain below (exit 0), not in
+    # the default action; and none can arrive between listening and having a handler.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if parent_pid is not None:
+        watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(stop.set))
+    from blink_appliance.frontend.app import create_app
+    from blink_appliance.frontend.auth import configured_keys
+    from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
+    from blink_appliance.frontend.metrics import ServingMetrics
+
+    from blink_appliance.model.detokenizer import IncrementalDetokenizer
+    from blink_appliance.telemetry.source import TelemetrySource
+    from blink_appliance.wire.client import EngineClient
+    from blink_appliance.wire.shm_transport import ShmTransport
+
+    m, fe = profile.model, profile.frontend
+    pin_cpus(fe.cpus, "frontend.cpus", ProfileError)
+    tokenizer = await asyncio.to_thread(serving_tokenizer, m.model_source)
+    geometry = ring_geometry(profile)
+    transport = ShmTransport.open(profile.appliance.shm_name)
+    client = EngineClient.attach(transport, geometry)
+    await client.start()
+
+    telemetry = (
+        TelemetrySource(
+            lambda: {m.name: client.telemetry()}, models=[m.name], interval_s=profile.telemetry.interval_s
+        )
+        if profile.telemetry.enabled
+        else None
+    )
+    metrics = ServingMetrics(
+        m.name,
+        engine_telemetry=client.telemetry,
+        engine_alive=lambda: client.engine_alive,
+        tracker=telemetry.latency(m.name) if telemetry is not None else None,
+    )
+    limits = ServiceLimits(
+        model_name=m.name,
+        max_model_len=m.max_model_len,
+        max_prompt_tokens=geometry.max_prompt_tokens,
+        max_output_tokens=geometry.max_output_tokens,
+        max_stop_ids=geometry.max_stop_ids,
+    )
+
+    def detokenizer(tok: object, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=True)
+
+    service = CompletionService(client, tokenizer, detokenizer, limits, metrics)
+    app = create_app(
+        service,
+        api_keys=configured_keys(fe.api_keys),
+        max_request_bytes=fe.max_request_bytes,
+        telemetry=telemetry,
+    )
+    # handler_cancellation: a client that disconnects cancels its handler, hence its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, fe.host, fe.port, backlog=1024)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    port = sockets[0].getsockname()[1] if sockets else fe.port
+    host = f"[{fe.host}]" if ":" in fe.host else fe.host
+    url = f"http://{host}:{port}"
+    log.info("front end serving %s on %s", m.name, url)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(url)
+        tmp.replace(ready_file)  # atomic: the daemon never reads half a URL
+
+    await stop.wait()
+
+    # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left.
+    service.draining = True
+    log.info("draining %d in-flight request(s)", service.inflight)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(service.wait_idle(), profile.appliance.drain_timeout_s)
+    if service.inflight:
+        log.warning("drain timeout: cancelling %d request(s)", service.inflight)
+    await client.close()  # cancels and ends what is still open
+    await runner.cleanup()
+    transport.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m blink_appliance.frontend", description="the HTTP front end"
+    )
+    parser.add_argument("profile")
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--ready-file", type=Path, default=None, help="write the served URL here when ready")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Until serve() puts the loop's handler in its place: nothing is accepted yet, so just exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        profile = load_profile(args.profile).with_overrides(host=args.host, port=args.port)
+    except ProfileError as e:
+        print(f"[frontend] {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=profile.appliance.log_level.upper(), format="[frontend] %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(profile, args.ready_file, args.parent_pid))
+    except ProfileError as e:
+        print(f"[frontend] {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

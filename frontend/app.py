@@ -1,0 +1,69 @@
+"""The front end's aiohttp application: routes, error shaping, auth, body limit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from blink_appliance.frontend import handlers
+from blink_appliance.frontend.auth import bearer_auth_middleware
+from blink_appliance.frontend.completion_service import CompletionService
+from blink_appliance.frontend.errors import APIError
+from blink_appliance.frontend.openai_schema import now_s
+
+from blink_appliance.telemetry.source import TelemetrySource
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_STATUS_TYPES = {401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's error body, whatever raised it."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return APIError(413, f"the request body is too large ({e.text})", code="request_too_large").response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = _STATUS_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "server_error")
+        message = (
+            f"{e.reason}: {request.method} {request.path}" if e.status in (404, 405) else (e.text or e.reason)
+        )
+        headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+        return APIError(e.status, message, type=kind, headers=headers).response()
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return APIError(500, "internal error in the front end", type="server_error").response()
+
+
+def create_app(
+    service: CompletionService,
+    *,
+    api_keys: tuple[str, ...] = (),
+    max_request_bytes: int = 1 << 20,
+    telemetry: TelemetrySource | None = None,
+) -> web.Application:
+    app = web.Application(
+        middlewares=[openai_errors, bearer_auth_middleware(api_keys)], client_max_size=max_request_bytes
+    )
+    app[handlers.SERVICE] = service
+    app[handlers.STARTED_AT] = now_s()
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model}", handlers.get_model)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    if telemetry is not None:
+        from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
+
+        add_telemetry_routes(app, telemetry)
+    return app

@@ -1,0 +1,325 @@
+"""One request's way through the front end: tokenize -> validate -> submit -> stream -> detokenize -> stop strings.
+
+The service knows nothing about HTTP (handlers.py turns its pieces into JSON or SSE); it talks to
+the engine only through the ring client. Every admitted request ends in exactly one terminal
+piece (a finish reason) or one EngineFailure, and leaving `generate` early (client gone, stop
+string matched) closes the ring stream, which cancels the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from blink_appliance.frontend.errors import APIError, bad_request, service_unavailable
+from blink_appliance.frontend.metrics import ServingMetrics
+from blink_appliance.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from blink_appliance.frontend.stop_strings import StopStringMatcher
+
+from blink_appliance.wire.client import EngineBusyError, EngineDeadError
+from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
+
+
+class EngineClientLike(Protocol):
+    """What the service needs from the ring client (blink_appliance.wire)."""
+
+    @property
+    def engine_alive(self) -> bool: ...
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Any: ...
+
+    def stream(self, request_id: int) -> AsyncIterator[TokenEvent]: ...
+
+    def telemetry(self) -> dict[str, Any]: ...
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    model_name: str
+    max_model_len: int
+    max_prompt_tokens: int
+    max_output_tokens: int
+    max_stop_ids: int
+    retry_after_s: int = 1
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to submit."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_strings: list[str]
+    stream: bool
+    include_usage: bool
+    completion_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text to send; the last piece of a request has `finish_reason` set."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class EngineFailure(Exception):
+    """The engine failed a request after it was admitted (crash, restart, internal error)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class _Inflight:
+    count: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class CompletionService:
+    def __init__(
+        self,
+        client: EngineClientLike,
+        tokenizer: Any,
+        detokenizer_factory: Any,
+        limits: ServiceLimits,
+        metrics: ServingMetrics,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self._detokenizer_factory = detokenizer_factory
+        self.limits = limits
+        self.metrics = metrics
+        self.draining = False
+        self._inflight = _Inflight()
+        self._inflight.idle.set()
+
+    # -- admission ----------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return self._inflight.count
+
+    async def wait_idle(self) -> None:
+        await self._inflight.idle.wait()
+
+    def check_model(self, model: str) -> None:
+        if model != self.limits.model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this appliance serves '{self.limits.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        prompt = req.single_prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt must not be empty", "prompt")
+            ids = await self._encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            self._check_ids(ids, "prompt")
+        return self._prepared(req, ids, req.max_tokens, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        try:
+            templated = self.tokenizer.apply_chat_template(
+                req.template_messages(), add_generation_prompt=True
+            )
+        except APIError:  # the tokenizer's own refusal (a model without a chat template)
+            raise
+        except Exception as e:  # a template that rejects the conversation (e.g. role order)
+            raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
+        if isinstance(templated, str):
+            ids = await self._encode(templated, add_special_tokens=False)
+        else:
+            ids = list(templated)
+        return self._prepared(req, ids, req.token_limit, default_max=None)
+
+    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+            return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request(f"{param} must not be empty", param)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+    def _prepared(
+        self, req: _SamplingRequest, ids: list[int], max_tokens: int | None, default_max: int | None
+    ) -> Prepared:
+        lim = self.limits
+        n = len(ids)
+        if n > lim.max_prompt_tokens or n >= lim.max_model_len:
+            raise bad_request(
+                f"the prompt has {n} tokens; this model accepts at most "
+                f"{min(lim.max_prompt_tokens, lim.max_model_len - 1)}",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                "context_length_exceeded",
+            )
+        room = min(lim.max_model_len - n, lim.max_output_tokens)
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        if max_tokens is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        elif max_tokens > room:
+            raise bad_request(
+                f"{param}={max_tokens} is too large: the prompt has {n} tokens, max_model_len is "
+                f"{lim.max_model_len} and one request may generate at most {lim.max_output_tokens} tokens",
+                param,
+                "context_length_exceeded",
+            )
+        if len(req.stop_token_ids) > lim.max_stop_ids:
+            raise bad_request(f"at most {lim.max_stop_ids} stop_token_ids", "stop_token_ids")
+        if req.stop_token_ids:
+            self._check_ids(req.stop_token_ids, "stop_token_ids")
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            min_p=req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+        return Prepared(
+            rid=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_ids=ids,
+            params=params,
+            stop_strings=req.stop_strings,
+            stream=req.stream,
+            include_usage=req.include_usage,
+        )
+
+    # -- generation ---------------------------------------------------------------------------
+    async def submit(self, prep: Prepared) -> int:
+        """Hand the request to the engine; APIError 503/400 when it cannot take it."""
+        if self.draining:
+            raise service_unavailable(
+                "the appliance is shutting down", retry_after_s=self.limits.retry_after_s
+            )
+        if not self.client.engine_alive:
+            self.metrics.error("engine_unavailable")
+            raise service_unavailable(
+                "the engine is not running (starting or restarting); retry shortly",
+                retry_after_s=self.limits.retry_after_s,
+            )
+        try:
+            rid = self.client.submit(prep.prompt_ids, prep.params)
+            if inspect.isawaitable(rid):
+                rid = await rid
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except EngineBusyError as e:
+            self.metrics.error("busy")
+            raise service_unavailable(
+                f"the engine is at capacity ({e}); retry shortly", retry_after_s=self.limits.retry_after_s
+            ) from None
+        except EngineDeadError as e:
+            self.metrics.error("engine_unavailable")
+            raise service_unavailable(
+                f"the engine is not running: {e}", retry_after_s=self.limits.retry_after_s
+            ) from None
+        return int(rid)
+
+    async def generate(self, prep: Prepared) -> AsyncIterator[Piece]:
+        """Submit, yield one empty piece once admitted, then text pieces; the last carries the finish reason.
+
+        Raises APIError instead of the admission piece when the request cannot be admitted, and
+        EngineFailure when the engine fails it later. Close the generator (contextlib.aclosing)
+        to cancel.
+        """
+        request_id = await self.submit(prep)
+        yield Piece("")  # admitted: the caller may now commit to a 200 (e.g. start an SSE stream)
+        self._inflight.count += 1
+        self._inflight.idle.clear()
+        timer = self.metrics.request_timer(prep.prompt_tokens)
+        detok = self._detokenizer_factory(self.tokenizer, prep.prompt_ids)
+        stops = StopStringMatcher(prep.stop_strings)
+        finished = False
+        try:
+            events = self.client.stream(request_id)
+            async with contextlib.aclosing(events):  # leaving early cancels in the engine
+                async for ev in events:
+                    reason = ev.finish_reason
+                    if ev.token_id is not None:
+                        timer.token()
+                        prep.completion_tokens += 1
+                        # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
+                        piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)
+                        text = stops.feed(piece)
+                        if stops.stopped:
+                            finished = True
+                            timer.finish("stop")
+                            yield Piece(text, "stop")
+                            return
+                        if text and reason is None:
+                            yield Piece(text)
+                    else:
+                        text = ""
+                    if reason is None:
+                        continue
+                    if reason in (FinishReason.ABORT, FinishReason.ERROR):
+                        finished = True
+                        self.metrics.error("engine_" + reason.value)
+                        raise EngineFailure(ev.error or f"the engine ended the request ({reason.value})")
+                    text += stops.feed(detok.flush())
+                    text += stops.flush()  # nothing once a stop string matched
+                    finished = True
+                    final = "stop" if stops.stopped else reason.value
+                    timer.finish(final)
+                    yield Piece(text, final)
+                    return
+            # The stream ended without a terminal event: the ring lost the request.
+            finished = True
+            self.metrics.error("engine_lost")
+            raise EngineFailure("the engine stopped answering this request")
+        except (EngineDeadError, EngineBusyError) as e:
+            finished = True
+            self.metrics.error("engine_died")
+            raise EngineFailure(f"the engine failed while generating: {e}") from None
+        finally:
+            if not finished:
+                timer.finish("abort")  # client went away; aclosing above cancelled the request
+            self._inflight.count -= 1
+            if self._inflight.count == 0:
+                self._inflight.idle.set()

@@ -1,0 +1,178 @@
+"""Thin aiohttp handlers: parse the body, ask the CompletionService, write JSON or SSE."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+from blink_appliance.frontend.completion_service import CompletionService, EngineFailure, Piece, Prepared
+from blink_appliance.frontend.errors import APIError, bad_request
+from blink_appliance.frontend.metrics import CONTENT_TYPE
+from blink_appliance.frontend.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    models_body,
+    now_s,
+    parse_request,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = web.AppKey("completion_service", CompletionService)
+STARTED_AT = web.AppKey("started_at", int)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()  # over client_max_size: aiohttp raises 413, the error middleware shapes it
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _failure(e: EngineFailure) -> APIError:
+    return APIError(503, e.message, type="server_error", code="engine_failure", headers={"Retry-After": "1"})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    req = parse_request(CompletionRequest, await _json_body(request))
+    prep = await service.prepare_completion(req)
+    model = service.limits.model_name
+    created = now_s()
+
+    def chunk(
+        text: str | None, reason: str | None = None, use: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        return completion_chunk(prep.rid, model, created, text=text, finish_reason=reason, usage_=use)
+
+    def whole(text: str, reason: str | None) -> dict[str, Any]:
+        return completion_body(
+            prep.rid, model, text, reason, usage(prep.prompt_tokens, prep.completion_tokens), created
+        )
+
+    return await _respond(request, service, prep, chunk, whole)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    req = parse_request(ChatCompletionRequest, await _json_body(request))
+    prep = await service.prepare_chat(req)
+    model = service.limits.model_name
+    created = now_s()
+    first = True
+
+    def chunk(
+        text: str | None, reason: str | None = None, use: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        nonlocal first
+        if text is None:
+            delta = None
+        elif first:  # OpenAI opens the stream with the role
+            delta, first = {"role": "assistant", "content": text}, False
+        else:
+            delta = {"content": text} if text or reason is None else {}
+        return chat_chunk(prep.rid, model, created, delta=delta, finish_reason=reason, usage_=use)
+
+    def whole(text: str, reason: str | None) -> dict[str, Any]:
+        return chat_body(
+            prep.rid, model, text, reason, usage(prep.prompt_tokens, prep.completion_tokens), created
+        )
+
+    return await _respond(request, service, prep, chunk, whole)
+
+
+async def _respond(
+    request: web.Request,
+    service: CompletionService,
+    prep: Prepared,
+    chunk: Callable[..., dict[str, Any]],
+    whole: Callable[[str, str | None], dict[str, Any]],
+) -> web.StreamResponse:
+    async with contextlib.aclosing(service.generate(prep)) as pieces:
+        await anext(pieces)  # admission: raises APIError (400/503) while we can still send a status
+        if not prep.stream:
+            return await _whole_response(pieces, whole)
+        return await _stream_response(request, prep, pieces, chunk)
+
+
+async def _whole_response(
+    pieces: AsyncIterator[Piece], whole: Callable[[str, str | None], dict[str, Any]]
+) -> web.Response:
+    texts: list[str] = []
+    reason: str | None = None
+    try:
+        async for piece in pieces:
+            texts.append(piece.text)
+            reason = piece.finish_reason
+    except EngineFailure as e:
+        raise _failure(e) from None
+    return web.json_response(whole("".join(texts), reason))
+
+
+async def _stream_response(
+    request: web.Request, prep: Prepared, pieces: AsyncIterator[Piece], chunk: Callable[..., dict[str, Any]]
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+
+    async def send(obj: dict[str, Any] | str) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+        await response.write(f"data: {data}\n\n".encode())
+
+    try:
+        await send(chunk(""))  # the role chunk for chat; an empty text chunk for completions
+        async for piece in pieces:
+            if piece.text or piece.finish_reason is not None:
+                await send(chunk(piece.text, piece.finish_reason))
+        if prep.include_usage:
+            await send(chunk(None, use=usage(prep.prompt_tokens, prep.completion_tokens)))
+        await send("[DONE]")
+    except EngineFailure as e:
+        await send(_failure(e).body())  # the status is already sent: the error goes in the stream
+        await send("[DONE]")
+    except ConnectionResetError:  # the client went away: closing `pieces` cancels the request
+        log.debug("client disconnected from %s", prep.rid)
+        return response
+    await response.write_eof()
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    return web.json_response(models_body(service.limits.model_name, request.app[STARTED_AT]))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    service.check_model(request.match_info["model"])
+    return web.json_response(models_body(service.limits.model_name, request.app[STARTED_AT])["data"][0])
+
+
+async def health(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    if service.draining:
+        status, code = "draining", 503
+    elif not service.client.engine_alive:
+        status, code = "engine_unavailable", 503
+    else:
+        status, code = "ok", 200
+    return web.json_response(
+        {"status": status, "model": service.limits.model_name, "inflight": service.inflight}, status=code
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    return web.Response(body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,302 @@
+"""OpenAI request bodies (pydantic) and response bodies for /v1/completions and /v1/chat/completions.
+
+Unknown keys are refused (400 naming the key) rather than ignored; keys OpenAI defines but this
+appliance does not implement are accepted by the schema only so `unsupported()` can refuse them
+with "not supported yet" when they ask for something other than the default behaviour.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, TypeVar
+
+from blink_appliance.frontend.errors import APIError, bad_request, not_supported
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # -1 and 0 both disable it (vLLM uses -1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own bookkeeping; no effect on output
+
+    # OpenAI parameters not built yet: refused unless they ask for the default behaviour.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    response_format: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_ok(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in stops:
+            if not s:
+                raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def unsupported(self) -> APIError | None:
+        """The first parameter this appliance cannot honour yet, as a 400, or None."""
+        if self.n != 1:
+            return bad_request(f"n={self.n}: only n=1 is supported (one choice per request)", "n")
+        if self.stream_options is not None and not self.stream:
+            return bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.logprobs not in (None, False, 0):
+            return not_supported("logprobs")
+        if self.top_logprobs not in (None, 0):
+            return not_supported("top_logprobs")
+        if self.logit_bias not in (None, {}):
+            return not_supported("logit_bias")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, key) not in (None, 0, 0.0):
+                return not_supported(key)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            return not_supported("repetition_penalty")
+        if self.response_format not in (None, {"type": "text"}):
+            return not_supported("response_format", "structured output")
+        return None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    def unsupported(self) -> APIError | None:
+        if self.echo not in (None, False):
+            return not_supported("echo")
+        if self.best_of not in (None, 1):
+            return not_supported("best_of")
+        if self.suffix not in (None, ""):
+            return not_supported("suffix")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            if len(self.prompt) != 1:
+                return bad_request(
+                    "batched prompts are not supported yet: send one prompt per request", "prompt"
+                )
+        return super().unsupported()
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+
+    def unsupported(self) -> APIError | None:
+        for key in ("tools", "functions"):
+            if getattr(self, key) not in (None, []):
+                return not_supported(key, "tool calling")
+        for key in ("tool_choice", "function_call"):
+            if getattr(self, key) not in (None, "none"):
+                return not_supported(key, "tool calling")
+        if self.parallel_tool_calls not in (None, False):
+            return not_supported("parallel_tool_calls", "tool calling")
+        return super().unsupported()
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages
+        ]
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+
+
+def parse_request(cls: type[RequestT], body: Any) -> RequestT:
+    """Validate a JSON body; the first problem becomes a 400 naming its parameter."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        where = ".".join(loc)
+        param = loc[0] if loc else None  # OpenAI names the top-level parameter
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unknown parameter '{where}'", param, "unknown_parameter") from None
+        if err["type"] == "missing":
+            raise bad_request(f"missing required parameter '{where}'", param, "missing_parameter") from None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise bad_request(f"invalid '{where}': {msg}", param, "invalid_value") from None
+    problem = request.unsupported()
+    if problem is not None:
+        raise problem
+    return request
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int] | None, created: int
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    body["usage"] = usage_
+    return body
+
+
+def chat_body(
+    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int], created: int
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    *,
+    delta: dict[str, str] | None,
+    finish_reason: str | None = None,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    choices = (
+        []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    )
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    *,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    choices = (
+        [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    )
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def models_body(model: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": "blink"}],
+    }
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,238 @@
+"""Schedule's batch: which sequences run this step and how many tokens each, as the reference
+Scheduler.schedule picks them (decodes first, prefill chunks in the rest of the token budget, KV
+blocks from the free stack, recompute preemption, then admission of waiting slots in (priority,
+arrival) order), written into the step tables and the sample rows.
+
+Part of the schedule program (kernels/schedule.py): running sequences are put in run order once
+(compaction + an S x S rank, through a small scratch buffer) and the budget fill is done in
+vectorized rounds (prefix sums), one round per preemption event, so a step without preemption is
+one round. The sequential part (admissions of waiting slots) loops over registers with masked
+reductions; global memory is only touched to gather/scatter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from blink_appliance.kernels.schedule_blocks import pop_blocks, push_blocks
+
+_INT32_MAX = tl.constexpr(2**31 - 1)
+_INT64_MAX = tl.constexpr(2**63 - 1)
+
+
+@triton.jit
+def order_running(st, md, offs_s, scratch_ptr, slots, BLOCK_D: tl.constexpr, SLOT: tl.constexpr):
+    """Running slots in run order: compact them (slot order), rank by run_order, reorder. Returns
+    (m running sequences, lanes k < m, the k-th one's slot, num_tokens, num_computed, num_blocks)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    running = md & (st == SLOT.RUNNING)
+    running_i = running.to(tl.int32)
+    m = tl.sum(running_i, 0)
+    tl.store(scratch_ptr + tl.cumsum(running_i, 0) - running_i, offs_d, mask=running)
+    tl.debug_barrier()
+    ms = offs_s < m
+    compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
+    ro = tl.load(slots.run_order + compact, mask=ms, other=0)
+    rank = tl.sum((ms[None, :] & (ro[None, :] < ro[:, None])).to(tl.int32), 1)
+    tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
+    tl.debug_barrier()
+    ks = tl.load(scratch_ptr + BLOCK_D + offs_s, mask=ms, other=0)  # slot of the k-th running sequence
+    ntok_k = tl.load(slots.num_tokens + ks, mask=ms, other=0)
+    ncomp_k = tl.load(slots.num_computed + ks, mask=ms, other=0)
+    nb_k = tl.load(slots.num_blocks + ks, mask=ms, other=0)
+    return m, ms, ks, ntok_k, ncomp_k, nb_k
+
+
+@triton.jit
+def fill_budget(
+    top, m, ms, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
+    MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_J: tl.constexpr, SLOT: tl.constexpr,
+):  # fmt: skip
+    """The budget fill (Scheduler.schedule phase 1) of the running sequences in run order, in
+    rounds; stores their num_computed, num_blocks and state (preempted ones WAITING). Returns
+    (each one's chunk, the budget left, the stack top, how many were preempted).
+
+    A round schedules sequences i0..hi as if no preemption happened: decodes 1 token, prefills
+    greedily from what the budget leaves after one token per decode (= the reference's `reserved`),
+    blocks from the stack top by prefix sums. The first sequence whose blocks do not fit ends the
+    round: the sequences before it keep their chunks, the most recent ones (from hi down) are
+    preempted until it fits or it is itself the victim, and the next round starts after it."""
+    block_table_ptr = slots.block_table
+    rem_k = ntok_k - ncomp_k
+    n_k = tl.zeros([BLOCK_S], tl.int32)
+    pre_k = tl.zeros([BLOCK_S], tl.int32)
+    budget = tl.full([], MAX_BATCHED, tl.int32)
+    i0 = tl.full([], 0, tl.int32)
+    hi = m - 1
+    while i0 <= hi:
+        act = (offs_s >= i0) & (offs_s <= hi)
+        dec = act & (rem_k == 1)
+        pref = act & (rem_k != 1)
+        prefill_budget = budget - tl.sum(dec.to(tl.int32), 0)
+        prem = tl.where(pref, rem_k, 0)
+        wanted_before = tl.cumsum(prem, 0) - prem  # by the round's earlier prefills
+        n = tl.where(
+            dec, 1, tl.where(pref, tl.minimum(tl.maximum(prefill_budget - wanted_before, 0), rem_k), 0)
+        )
+        need = tl.where(n > 0, (ncomp_k + n + BS - 1) // BS - nb_k, 0)
+        cum_need = tl.cumsum(need, 0)
+        kstar = tl.min(tl.where(act & (cum_need > top), offs_s, BLOCK_S), 0)
+        ok = act & (offs_s < kstar)
+        pop_blocks(ok, need, cum_need - need, ks, nb_k, top, block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)
+        top -= tl.sum(tl.where(ok, need, 0), 0)
+        budget -= tl.sum(tl.where(ok, n, 0), 0)
+        n_k = tl.where(ok, n, n_k)
+        nb_k = tl.where(ok, nb_k + need, nb_k)
+        if kstar < BLOCK_S:
+            is_k = offs_s == kstar
+            need_k = tl.sum(tl.where(is_k, need, 0), 0)
+            n_star = tl.sum(tl.where(is_k, n, 0), 0)
+            behind = (offs_s > kstar) & (offs_s <= hi)
+            blocks_from = tl.cumsum(tl.where(behind, nb_k, 0), 0, reverse=True)  # freed by victims j..hi
+            enough = behind & (top + blocks_from >= need_k)
+            first_victim = tl.max(tl.where(enough, offs_s, -1), 0)
+            survives = first_victim >= 0
+            first_victim = tl.where(survives, first_victim, kstar)
+            victim = (offs_s >= first_victim) & (offs_s <= hi)
+            freed = tl.where(victim, nb_k, 0)
+            tl.debug_barrier()  # the pops above have read their stack entries
+            push_blocks(
+                victim, freed, top + tl.cumsum(freed, 0, reverse=True) - freed, ks,
+                block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J,
+            )  # fmt: skip
+            top += tl.sum(freed, 0)
+            pre_k = tl.where(victim, 1, pre_k)
+            nb_k = tl.where(victim, 0, nb_k)
+            tl.debug_barrier()  # the victims' blocks are on the stack before kstar pops them
+            take = is_k & survives
+            pop_blocks(take, need, tl.zeros([BLOCK_S], tl.int32), ks, nb_k, top,
+                       block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
+            top -= tl.where(survives, need_k, 0)
+            budget -= tl.where(survives, n_star, 0)
+            n_k = tl.where(take, n, n_k)
+            nb_k = tl.where(take, nb_k + need, nb_k)
+            hi = first_victim - 1
+            i0 = kstar + 1
+        else:
+            i0 = hi + 1
+    n_preempted = tl.sum((pre_k != 0).to(tl.int32), 0)
+    preempted = ms & (pre_k != 0)
+    tl.store(slots.num_computed + ks, tl.where(preempted, 0, ncomp_k + n_k), mask=ms)
+    tl.store(slots.num_blocks + ks, nb_k, mask=ms)
+    tl.store(slots.slot_state + ks, tl.where(preempted, SLOT.WAITING, SLOT.RUNNING), mask=ms)
+    return n_k, budget, top, n_preempted
+
+
+@triton.jit
+def write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step):
+    """The running part of the batch, in run order: step tables and sample rows of the sequences
+    with a chunk. Returns (sequences, tokens, sample rows, 1 if a row samples at temperature > 0)."""
+    sched_k = n_k > 0
+    bi_k = tl.cumsum(sched_k.to(tl.int32), 0) - sched_k.to(tl.int32)
+    qs_k = tl.cumsum(n_k, 0) - n_k
+    samples_k = sched_k & (ncomp_k + n_k == ntok_k)
+    row_k = tl.cumsum(samples_k.to(tl.int32), 0) - samples_k.to(tl.int32)
+    nseq = tl.sum(sched_k.to(tl.int32), 0)
+    ntot = tl.sum(n_k, 0)
+    nsamp = tl.sum(samples_k.to(tl.int32), 0)
+    tl.store(step.step_slot + bi_k, ks, mask=sched_k)
+    tl.store(step.step_chunk + bi_k, n_k, mask=sched_k)
+    tl.store(step.query_start + bi_k, qs_k, mask=sched_k)
+    tl.store(step.context_lens + bi_k, ncomp_k + n_k, mask=sched_k)
+    any_random = _write_sample_rows(samples_k, row_k, ks, (qs_k + n_k - 1).to(tl.int64), slots, step)
+    return nseq, ntot, nsamp, any_random
+
+
+@triton.jit
+def admit_waiting(
+    ntot, nsamp, budget, top, nseq, next_run_order, any_random, st, md, m, n_preempted,
+    free_blocks_ptr, slots, step,
+    S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    SLOT: tl.constexpr,
+):  # fmt: skip
+    """Admission of waiting slots (Scheduler.schedule phase 2), only in a step without preemption:
+    the head of the (priority, arrival) order while there are sequences, budget and blocks for its
+    chunk; they join the batch after the `nseq` running ones. Returns (stack top, next_run_order,
+    sequences, tokens, sample rows, any_random) after them."""
+    offs_d = tl.arange(0, BLOCK_D)
+    waiting = md & (st == SLOT.WAITING)
+    pri_d = tl.load(slots.priority + offs_d, mask=md, other=0)
+    arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
+    ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
+    adm_rank = tl.full([BLOCK_D], -1, tl.int32)
+    adm_n = tl.zeros([BLOCK_D], tl.int32)
+    adm_need = tl.zeros([BLOCK_D], tl.int32)
+    adm_off = tl.zeros([BLOCK_D], tl.int32)
+    adm_qs = tl.zeros([BLOCK_D], tl.int32)
+    adm_row = tl.full([BLOCK_D], -1, tl.int32)
+    n_new = tl.full([], 0, tl.int32)
+    popped = tl.full([], 0, tl.int32)
+    go = (n_preempted == 0) & (m < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
+    while go:
+        w_pri = tl.min(tl.where(waiting, pri_d, _INT32_MAX), 0)
+        w_cand = waiting & (pri_d == w_pri)
+        w_arr = tl.min(tl.where(w_cand, arr_d, _INT64_MAX), 0)
+        w_slot = tl.min(tl.where(w_cand & (arr_d == w_arr), offs_d, BLOCK_D), 0)
+        w_is = offs_d == w_slot
+        w_rem = tl.sum(tl.where(w_is, ntok_d, 0), 0)  # all its tokens: a waiting slot has none computed
+        w_n = tl.minimum(w_rem, budget)
+        w_need = (w_n + BS - 1) // BS
+        w_fits = w_need <= top - popped
+        w_take = w_is & w_fits
+        w_samples = w_fits & (w_n == w_rem)
+        adm_rank = tl.where(w_take, n_new, adm_rank)
+        adm_n = tl.where(w_take, w_n, adm_n)
+        adm_need = tl.where(w_take, w_need, adm_need)
+        adm_off = tl.where(w_take, popped, adm_off)
+        adm_qs = tl.where(w_take, ntot, adm_qs)
+        adm_row = tl.where(w_take & w_samples, nsamp, adm_row)
+        f = w_fits.to(tl.int32)
+        popped += w_need * f
+        budget -= w_n * f
+        ntot += w_n * f
+        nsamp += w_samples.to(tl.int32)
+        n_new += f
+        waiting = waiting & ~w_take
+        go = w_fits & (m + n_new < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
+    adm = adm_rank >= 0
+    pop_blocks(adm, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
+               slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
+    top -= popped
+    tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.RUNNING, tl.int32), mask=adm)
+    tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
+    tl.store(slots.num_computed + offs_d, adm_n, mask=adm)
+    tl.store(slots.num_blocks + offs_d, adm_need, mask=adm)
+    next_run_order += n_new
+    bi_d = nseq + adm_rank
+    tl.store(step.step_slot + bi_d, offs_d, mask=adm)
+    tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
+    tl.store(step.query_start + bi_d, adm_qs, mask=adm)
+    tl.store(step.context_lens + bi_d, adm_n, mask=adm)
+    nseq += n_new
+    any_random = tl.maximum(any_random, _write_sample_rows(
+        adm_row >= 0, adm_row, offs_d, (adm_qs + adm_n - 1).to(tl.int64), slots, step,
+    ))  # fmt: skip
+    return top, next_run_order, nseq, ntot, nsamp, any_random
+
+
+@triton.jit
+def _write_sample_rows(samples, row, slot, logits_row, slots, step):
+    """Sample row `row` of each sampling sequence: which slot, which token row of the step, and the
+    slot's sampling parameters gathered so the sampler reads rows directly. Returns 1 if any row
+    samples at a temperature > 0."""
+    temperature = tl.load(slots.temperature + slot, mask=samples, other=0.0)
+    tl.store(step.sample_slot + row, slot, mask=samples)
+    tl.store(step.sample_rows + row, logits_row, mask=samples)
+    tl.store(step.row_temperature + row, temperature, mask=samples)
+    tl.store(
+        step.row_top_k + row, tl.load(slots.top_k + slot, mask=samples, other=0).to(tl.int64), mask=samples
+    )
+    tl.store(step.row_top_p + row, tl.load(slots.top_p + slot, mask=samples, other=1.0), mask=samples)
+    tl.store(step.row_min_p + row, tl.load(slots.min_p + slot, mask=samples, other=0.0), mask=samples)
+    tl.store(step.row_seed + row, tl.load(slots.seed + slot, mask=samples, other=0), mask=samples)
+    generated = tl.load(slots.num_tokens + slot, mask=samples, other=0) - tl.load(
+        slots.prompt_len + slot, mask=samples, other=0
+    )
+    tl.store(step.row_output_index + row, generated.to(tl.int64), mask=samples)
+    return (tl.sum((samples & (temperature > 0.0)).to(tl.int32), 0) > 0).to(tl.int32)

@@ -1,0 +1,147 @@
+"""A live `blink-appliance up` under faults and load, over real HTTP: a client that disconnects
+mid-stream, 200 concurrent streaming clients, the dashboard following live requests, and an engine
+crash. One appliance (tests/conftest.py's `live`) serves the module; the crash test restarts its
+engine and runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.live_appliance import (
+    API_KEY,
+    MODEL_NAME,
+    LiveAppliance,
+    completion_request,
+    post_json,
+    stream_events,
+)
+
+# -- cancellation, load, crash ------------------------------------------------------------------
+
+
+async def _engine_counter(live: LiveAppliance, name: str) -> int:
+    async with aiohttp.ClientSession(headers=live.headers) as s:
+        async with s.get(live.url + "/metrics") as r:
+            text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(name):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+async def test_client_disconnect_cancels_the_request(live):
+    body = completion_request("Tell me a long story.", max_tokens=400, ignore_eos=True, stream=True)
+    async with aiohttp.ClientSession(headers=live.headers) as s:
+        resp = await s.post(live.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        seen = 0
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                seen += 1
+            if seen >= 4:
+                break
+        resp.close()  # drop the connection mid-stream
+    t0 = time.monotonic()
+    # 400 tokens would take many seconds on this CPU; the engine must be idle again long before.
+    while time.monotonic() - t0 < 10:
+        if await _engine_counter(live, "blink_num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await _engine_counter(live, "blink_num_requests_running") == 0
+    assert time.monotonic() - t0 < 10
+    assert await _engine_counter(live, 'blink_request_success_total{finished_reason="abort"') >= 1
+
+
+@pytest.mark.slow
+async def test_200_concurrent_streaming_clients_all_complete(live):
+    async def one(i: int) -> tuple[int, str | None, bool]:
+        events = await stream_events(
+            live, "/v1/completions", completion_request(f"Request {i}:", max_tokens=3, ignore_eos=True)
+        )
+        dicts = [e for e in events if isinstance(e, dict)]
+        reason = next(
+            (c["choices"][0]["finish_reason"] for c in dicts if c["choices"][0]["finish_reason"]), None
+        )
+        return i, reason, events[-1] == "[DONE]"
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), timeout=150)
+    assert len(results) == 200
+    assert all(reason == "length" and done for _, reason, done in results), results
+
+
+async def test_dashboard_shows_live_changing_numbers(live):
+    """`blink-appliance top` (headless, Textual pilot) against this appliance: numbers move after requests."""
+    from blink_appliance.tui.app import BlinkDashboard
+    from blink_appliance.tui.widgets import ModelPanel
+
+    app = BlinkDashboard(live.url, api_key=API_KEY)  # the appliance has API keys: /telemetry needs one
+
+    def total_tokens() -> int | None:
+        model = app.snapshot.model(MODEL_NAME) if app.snapshot is not None else None
+        return None if model is None else model.latency.total_tokens
+
+    def panel_text() -> str:
+        panel = app.query_one(ModelPanel)
+        return "\n".join(str(w.render()) for w in panel.query("Static"))
+
+    async with app.run_test(size=(100, 30)) as pilot:
+        deadline = time.monotonic() + 20
+        while app.connection != "live" or total_tokens() is None:
+            assert time.monotonic() < deadline, app.connection
+            await pilot.pause(0.1)
+        before = total_tokens()
+        await asyncio.gather(
+            *(stream_events(live, "/v1/completions", completion_request(f"Count {i}:", max_tokens=6, ignore_eos=True))
+              for i in range(3))
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while total_tokens() < before + 18:
+            assert time.monotonic() < deadline, (before, total_tokens())
+            await pilot.pause(0.1)
+        await pilot.pause(0.3)  # one more refresh, so the panel shows what the snapshot holds
+        assert MODEL_NAME in (app.query_one(ModelPanel).border_title or "")
+        assert f"total {total_tokens()}" in panel_text(), panel_text()
+
+
+async def test_zz_engine_crash_fails_inflight_then_recovers(live):
+    """Runs last in the module (name): kills the engine with SIGKILL mid-stream."""
+    engine = live.child("blink_appliance.engine.process")
+    body = completion_request("Write a poem.", max_tokens=300, ignore_eos=True)
+    streamed: list[dict | str] = []
+
+    async def streaming() -> None:
+        async with aiohttp.ClientSession(headers=live.headers) as s:
+            async with s.post(live.url + "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        payload = line[6:].decode().strip()
+                        streamed.append(payload if payload == "[DONE]" else json.loads(payload))
+
+    stream_task = asyncio.create_task(streaming())
+    whole_task = asyncio.create_task(post_json(live, "/v1/completions", body))
+    while len(streamed) < 3:
+        await asyncio.sleep(0.05)
+    engine.send_signal(signal.SIGKILL)
+    status, r, _ = await asyncio.wait_for(whole_task, 30)
+    assert status == 503 and r["error"]["code"] == "engine_failure", r
+    await asyncio.wait_for(stream_task, 30)
+    assert streamed[-1] == "[DONE]"
+    assert "error" in streamed[-2] and streamed[-2]["error"]["code"] == "engine_failure"
+    # The daemon restarts the engine; the front end kept serving and new requests succeed.
+    deadline = time.monotonic() + 180
+    while True:
+        status, r, _ = await post_json(live, "/v1/completions", completion_request("Hello", max_tokens=2))
+        if status == 200:
+            break
+        assert status == 503, r
+        assert time.monotonic() < deadline, live.log()
+        await asyncio.sleep(0.5)
+    assert r["usage"]["completion_tokens"] >= 1
+    assert live.child("blink_appliance.engine.process").pid != engine.pid
