@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from blink_appliance.kernels.kv_blocks import push_blocks
 from blink_appliance.kernels.ring_access import fence_sys, now_ns, store_release
 
 
@@ -231,13 +232,6 @@ def _release_blocks(
     number of blocks pushed."""
     nb = tl.where(release, tl.load(num_blocks_ptr + slots, mask=release, other=0), 0)
     start = base + tl.cumsum(nb, 0) - nb
-    cols = tl.arange(0, BLOCK_B)
-    for j0 in range(0, MAX_BLOCKS, BLOCK_B):
-        j = j0 + cols  # j-th pushed block = table[nb - 1 - j]
-        live = release[:, None] & (j[None, :] < nb[:, None])
-        entry = block_table_ptr + slots[:, None].to(tl.int64) * MAX_BLOCKS + (nb[:, None] - 1 - j[None, :])
-        block = tl.load(entry, mask=live, other=-1)
-        tl.store(free_blocks_ptr + start[:, None] + j[None, :], block, mask=live)
-        tl.store(entry, tl.full(block.shape, -1, tl.int32), mask=live)
+    push_blocks(release, nb, start, slots.to(tl.int64), block_table_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B)
     tl.store(num_blocks_ptr + slots, tl.zeros_like(nb), mask=release)
     return tl.sum(nb, 0)

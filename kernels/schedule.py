@@ -11,7 +11,7 @@ launch can sit in a CUDA graph with no host in the loop.
 
 `schedule_kernel` is the program's steps in order; each step is a helper (Triton inlines them, so
 the program is the same as one function): ring intake in schedule_records.py, the KV block stack in
-schedule_blocks.py, the batch in schedule_batch.py, the outputs in schedule_step.py. Every code and
+kv_blocks.py, the batch in schedule_batch.py, the outputs in schedule_step.py. Every code and
 offset it shares with the rest of the project arrives as a constexpr (kernels/loop_codes.py).
 
 How it is laid out for speed: per-slot state lives in registers as [BLOCK_D] vectors; running
@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
+from blink_appliance.kernels.kv_blocks import release_slots
 from blink_appliance.kernels.ring_access import now_ns
 from blink_appliance.kernels.schedule_batch import (
     admit_waiting,
@@ -56,7 +57,6 @@ from blink_appliance.kernels.schedule_batch import (
     order_running,
     write_running_batch,
 )
-from blink_appliance.kernels.schedule_blocks import release_slots
 from blink_appliance.kernels.schedule_records import read_ring_words, take_records
 from blink_appliance.kernels.schedule_step import counter_deltas, finish_step_tables, write_forward_inputs
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.schedule_blocks import pop_blocks, push_blocks
+from blink_appliance.kernels.kv_blocks import pop_blocks, push_blocks
 
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _INT64_MAX = tl.constexpr(2**63 - 1)

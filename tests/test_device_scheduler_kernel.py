@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from blink_appliance.kernels import (  # noqa: E402
     ring_access,
     schedule_batch,
-    schedule_blocks,
+    kv_blocks,
     schedule_records,
     schedule_step,
 )
@@ -43,7 +43,7 @@ def test_launch_is_capturable_by_construction():
     for module in (
         schedule_module,
         schedule_batch,
-        schedule_blocks,
+        kv_blocks,
         schedule_records,
         schedule_step,
         ring_access,

@@ -1,9 +1,10 @@
-"""Schedule's KV block free stack (DeviceState.free_blocks[0, free_top)): pushes and pops of whole
-rows of slots at once, in the reference BlockAllocator's order.
+"""The KV block free stack (DeviceState.free_blocks[0, free_top)) of schedule and commit: pushes and
+pops of whole rows of slots at once, in the reference BlockAllocator's order.
 
-The stack top is not read or written here: the schedule program loads free_top once and stores it
-once at the end (kernels/schedule.py's docstring says why); these helpers take it and the caller
-keeps it up to date.
+The stack top is not read or written here: each program loads free_top once and stores it once at
+the end (kernels/schedule.py's docstring says why); these helpers take it and the caller keeps it up
+to date. Every loop runs to the longest table it moves, not to max_blocks_per_seq, so a step's cost
+follows the blocks it moves rather than max_model_len.
 """
 
 from __future__ import annotations
