@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -63,6 +64,8 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     from blink_appliance.frontend.metrics import ServingMetrics
 
     from blink_appliance.model.detokenizer import IncrementalDetokenizer
+    from blink_appliance.telemetry.gpu import GpuSampler
+    from blink_appliance.telemetry.host import HostSampler
     from blink_appliance.telemetry.source import TelemetrySource
     from blink_appliance.wire.client import EngineClient
     from blink_appliance.wire.shm_transport import ShmTransport
@@ -75,9 +78,19 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     client = EngineClient.attach(transport, geometry)
     await client.start()
 
+    def appliance_processes() -> dict[str, int | None]:
+        # The engine's pid from the ring header, read each sample: it changes when the daemon
+        # restarts the engine. The daemon is this process's parent (--parent-pid).
+        return {"daemon": parent_pid, "frontend": os.getpid(), "engine": client.region.load("engine_pid")}
+
     telemetry = (
         TelemetrySource(
-            lambda: {m.name: client.telemetry()}, models=[m.name], interval_s=profile.telemetry.interval_s
+            lambda: {m.name: client.telemetry()},
+            models=[m.name],
+            interval_s=profile.telemetry.interval_s,
+            host=HostSampler(appliance_processes),
+            gpu=GpuSampler(int(m.device.partition(":")[2] or 0) if m.device != "cpu" else 0),
+            device=m.device,
         )
         if profile.telemetry.enabled
         else None

@@ -205,3 +205,18 @@ def test_stale_segment_is_replaced_and_live_one_is_refused():
             ShmTransport.create(name, 4096)
     finally:
         fresh.close()
+
+
+def test_step_time_buckets_cover_a_cpu_step():
+    """A CPU reference step (tens to hundreds of ms) lands in a bounded bucket, not in +Inf."""
+    from blink_appliance.wire.ring_layout import STEP_TIME_BOUNDS_US, step_time_bucket
+
+    assert all(b == 2 * a for a, b in zip(STEP_TIME_BOUNDS_US, STEP_TIME_BOUNDS_US[1:], strict=False))
+    assert STEP_TIME_BOUNDS_US[0] == 32 and STEP_TIME_BOUNDS_US[-1] >= 16_000_000
+    assert len(STEP_TIME_FIELDS) == len(STEP_TIME_BOUNDS_US) + 1
+    # An idle-host CPU step, a slow one, and one on a host loaded by other work.
+    for step_ms, bound_us in ((75, 131072), (300, 524288), (4_800, 8388608)):
+        bucket = step_time_bucket(step_ms * 1_000_000)
+        assert bucket < len(STEP_TIME_BOUNDS_US) and STEP_TIME_BOUNDS_US[bucket] == bound_us, step_ms
+    assert step_time_bucket(20_000_000_000) == len(STEP_TIME_BOUNDS_US)  # past the top: +Inf
+    assert CONTROL.itemsize == 704  # the block grew from 640 bytes with the bounds (docs/protocol.md)

@@ -172,3 +172,25 @@ async def test_snapshot_json_round_trip(source: TelemetrySource) -> None:
     again = TelemetrySnapshot.from_json(snap.to_json())
     assert again == snap
     assert json.loads(snap.to_json())["models"][0]["engine"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("device", "gpu", "shown"),
+    [
+        ("cpu", GpuStats(available=False, reason="no NVML"), "cpu"),
+        ("cuda:0", GpuStats(available=True, name="NVIDIA H100 80GB HBM3"), "NVIDIA H100 80GB HBM3"),
+        ("cuda:1", GpuStats(available=False, reason="no NVML"), "cuda:1"),  # no name to give
+    ],
+)
+async def test_device_is_cpu_or_the_gpus_name(device: str, gpu: GpuStats, shown: str) -> None:
+    """The engines do not name their device; the source says "cpu" or the GPU's name, never n/a."""
+
+    class Gpu(GpuSampler):
+        def sample(self) -> GpuStats:
+            return gpu
+
+    counters = Counters()
+    del counters.values["device"]  # as EngineClient.telemetry() reports it
+    source = TelemetrySource(counters, models=["tiny"], gpu=Gpu(), device=device)
+    snap = await source.sample()
+    assert snap.model("tiny").engine.device == shown

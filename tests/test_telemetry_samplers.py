@@ -66,7 +66,9 @@ def test_host_sampler_per_core_and_own_cpu() -> None:
     assert all(0.0 <= c <= 100.0 for c in stats.cpu_percent_per_core)
     assert max(stats.cpu_percent_per_core) > 30.0  # the spinning core
     assert stats.appliance_pids == [psutil.Process().pid]
-    assert stats.appliance_cpu_percent is not None and stats.appliance_cpu_percent > 50.0
+    assert [(p.role, p.pid) for p in stats.processes] == [("self", psutil.Process().pid)]
+    # More than a fifth of a core: the spin's share on a loaded 2-core CI host, not a speed target.
+    assert stats.appliance_cpu_percent is not None and stats.appliance_cpu_percent > 20.0
     assert stats.appliance_share_percent == pytest.approx(stats.appliance_cpu_percent / psutil.cpu_count())
     assert stats.appliance_cpu_seconds is not None and stats.appliance_cpu_seconds > 0.3
     assert stats.sched_samples > 0 and stats.sched_p99_us is not None
@@ -76,12 +78,13 @@ def test_host_sampler_follows_other_processes() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        sampler = HostSampler([busy.pid, idle.pid])
+        sampler = HostSampler({"engine": busy.pid, "frontend": idle.pid})
         first = sampler.sample()
         assert first.appliance_cpu_percent is None  # no rate before a second reading
         time.sleep(0.5)
         stats = sampler.sample()
-        assert stats.appliance_cpu_percent is not None and stats.appliance_cpu_percent > 50.0
+        assert stats.appliance_cpu_percent is not None and stats.appliance_cpu_percent > 20.0
+        assert [p.role for p in stats.processes] == ["engine", "frontend"]
         assert stats.sched_p50_us is None  # probe not started: no reading, not a zero
         busy.kill()
         busy.wait()

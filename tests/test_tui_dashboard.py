@@ -16,7 +16,7 @@ from blink_appliance.tui.widgets import CoreHeatStrip, GpuPanel, HostPanel, Mode
 from rich.text import Text
 from textual.pilot import Pilot
 from textual.widget import Widget
-from textual.widgets import Sparkline
+from textual.widgets import Sparkline, Static
 
 from blink_appliance.telemetry import TelemetrySource
 
@@ -238,3 +238,50 @@ async def test_api_key_reaches_the_telemetry_stream(aiohttp_server, source: Tele
     keyed = BlinkDashboard(url, backoff=Backoff(initial_s=0.1, maximum_s=0.3), api_key="secret")
     async with keyed.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: keyed.connection == "live" and keyed.snapshot is not None)
+
+
+async def test_question_mark_shows_the_keys(aiohttp_server, source: TelemetrySource) -> None:
+    from blink_appliance.tui.keys import KEYS, KeysScreen
+
+    server = await aiohttp_server(make_app(source))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.snapshot is not None)
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, KeysScreen))
+        shown = str(app.screen.query_one("#keys", Static).render())
+        listed = {keys for keys, _ in KEYS}
+        assert {"tab, m", "shift+tab", "p", "?", "q"} <= listed
+        for binding in app.BINDINGS:  # every key the app takes is on the list
+            key = binding.key_display or binding.key
+            assert any(key in keys.split(", ") for keys in listed), key
+        assert shown  # rendered
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: not isinstance(app.screen, KeysScreen))
+        assert "model tiny" in model_text(app)
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, KeysScreen))
+        await pilot.press("q")  # quits from the list too
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_host_panel_shows_each_process_and_the_verdict(aiohttp_server, engines: Engines) -> None:
+    """Daemon, front end and engine each on a line; others and the run-queue wait; the verdict."""
+    import os
+
+    from blink_appliance.telemetry import HostSampler
+
+    parent = os.getppid()
+    host = HostSampler({"daemon": parent, "frontend": os.getpid()})
+    source = TelemetrySource(engines, models=["tiny"], host=host, interval_s=0.1)
+    server = await aiohttp_server(make_app(source))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(
+            pilot, lambda: app.snapshot is not None and app.snapshot.host.interference is not None
+        )
+        text = host_text(app)
+        assert "  daemon " in text and "  frontend " in text and "others " in text
+        assert "run-queue wait " in text
+        assert f"interference ● {app.snapshot.host.interference}" in text

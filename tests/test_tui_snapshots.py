@@ -25,9 +25,11 @@ from blink_appliance.telemetry import (
     GpuStats,
     HostStats,
     ModelTelemetry,
+    ProcessStats,
     TelemetrySnapshot,
     TelemetrySource,
     TokenLatencyTracker,
+    interference_verdict,
 )
 
 MS = 1_000_000
@@ -50,6 +52,34 @@ def latency_stats(seed: int) -> dict:
     return tracker.stats().model_dump()
 
 
+def host_stats(
+    per_core: list[float],
+    processes: list[tuple[str, int, float, float]],
+    *,
+    runqueue_ms_per_s: float,
+    **probe,
+) -> HostStats:
+    """Host numbers that add up the way HostSampler adds them: the appliance is the sum of its
+    processes, the others are the rest of the busy cores, the verdict follows from both."""
+    procs = [ProcessStats(role=r, pid=pid, cpu_percent=c, cpu_seconds=t) for r, pid, c, t in processes]
+    appliance = sum(p.cpu_percent or 0.0 for p in procs)
+    others = max(0.0, sum(per_core) - appliance)
+    return HostStats(
+        cpu_percent_per_core=per_core,
+        cpu_percent_total=sum(per_core) / len(per_core),
+        appliance_pids=[p.pid for p in procs],
+        processes=procs,
+        appliance_cpu_percent=appliance,
+        appliance_share_percent=appliance / len(per_core),
+        appliance_cpu_seconds=sum(p.cpu_seconds or 0.0 for p in procs),
+        others_cpu_percent=others,
+        others_share_percent=others / len(per_core),
+        runqueue_ms_per_s=runqueue_ms_per_s,
+        interference=interference_verdict(others / len(per_core), runqueue_ms_per_s),
+        **probe,
+    )
+
+
 def gpu_snapshot() -> TelemetrySnapshot:
     def model(name: str, sms: int, running: int, seed: int) -> ModelTelemetry:
         return ModelTelemetry(
@@ -63,7 +93,7 @@ def gpu_snapshot() -> TelemetrySnapshot:
                 generated_tokens=987654,
                 sm_partition=sms,
                 last_step_ns=812_000,
-                device="cuda:0",
+                device="NVIDIA H100 80GB HBM3",  # what TelemetrySource shows for cuda:0 with NVML
             ),
             latency=latency_stats(seed),
         )
@@ -72,13 +102,10 @@ def gpu_snapshot() -> TelemetrySnapshot:
         time_unix=1_800_000_000.0,
         uptime_s=3725.0,
         models=[model("llama-3.2-1b", 100, 24, 0), model("qwen3-0.6b", 32, 5, 11)],
-        host=HostStats(
-            cpu_percent_per_core=[float((i * 37) % 100) for i in range(16)],
-            cpu_percent_total=48.4,
-            appliance_pids=[101, 102],
-            appliance_cpu_percent=185.0,
-            appliance_share_percent=185.0 / 16,
-            appliance_cpu_seconds=812.0,
+        host=host_stats(
+            [float((i * 37) % 100) for i in range(16)],
+            [("daemon", 100, 0.5, 2.0), ("frontend", 101, 12.0, 95.0), ("engine", 102, 172.5, 715.0)],
+            runqueue_ms_per_s=4.0,
             sched_p50_us=62.0,
             sched_p99_us=240.0,
             sched_max_us=900.0,
@@ -119,13 +146,11 @@ def cpu_snapshot() -> TelemetrySnapshot:
                 latency=latency_stats(5),
             )
         ],
-        host=HostStats(
-            cpu_percent_per_core=[97.0, 12.0],
-            cpu_percent_total=54.5,
-            appliance_pids=[7],
-            appliance_cpu_percent=96.0,
-            appliance_share_percent=48.0,
-            appliance_cpu_seconds=30.0,
+        # Under a busy loop on both cores: the engine gets part of a core, the others the rest.
+        host=host_stats(
+            [100.0, 100.0],
+            [("daemon", 6, 0.3, 1.0), ("frontend", 7, 14.0, 9.0), ("engine", 8, 68.0, 41.0)],
+            runqueue_ms_per_s=412.0,
             sched_p50_us=2100.0,
             sched_p99_us=5200.0,
             sched_max_us=6000.0,
@@ -213,7 +238,14 @@ def test_gpu_second_model_80x24(snap_compare, gpu_url: str) -> None:
 
 
 def test_cpu_no_nvml_80x24(snap_compare, cpu_url: str) -> None:
+    """A CPU appliance under a busy loop: daemon, front end and engine apart, others, contended."""
+    snap = cpu_snapshot()
+    assert snap.host.interference == "contended" and snap.host.others_share_percent > 50
     assert snap_compare(BlinkDashboard(cpu_url), terminal_size=(80, 24), run_before=until_live)
+
+
+def test_keys_80x24(snap_compare, cpu_url: str) -> None:
+    assert snap_compare(BlinkDashboard(cpu_url), terminal_size=(80, 24), press=["?"], run_before=until_live)
 
 
 def test_cpu_no_nvml_200x60(snap_compare, cpu_url: str) -> None:

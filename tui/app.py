@@ -11,6 +11,7 @@ import os
 
 import aiohttp
 from blink_appliance.tui.client import Backoff, stream_snapshots
+from blink_appliance.tui.keys import KeysScreen
 from blink_appliance.tui.widgets import GpuPanel, HostPanel, ModelPanel, StatusBar
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -46,6 +47,7 @@ class BlinkDashboard(App[None]):
         Binding("m", "next_model", "model", show=False),
         Binding("shift+tab", "previous_model", "previous model", show=False, priority=True),
         Binding("p", "toggle_pause", "pause"),
+        Binding("question_mark", "show_keys", "keys", key_display="?"),
         Binding("q", "quit", "quit"),
     ]
 
@@ -162,6 +164,10 @@ class BlinkDashboard(App[None]):
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
+
+    def action_show_keys(self) -> None:
+        if not isinstance(self.screen, KeysScreen):
+            self.push_screen(KeysScreen())
 
 
 def run_dashboard(url: str = DEFAULT_URL, api_key: str | None = None) -> None:

@@ -268,19 +268,23 @@ class CoreHeatStrip(Widget):
         return -(-len(self.loads) // per_line)
 
 
-def interference_level(sched_p99_us: float | None) -> tuple[str, str]:
-    """(word, style) for the scheduling-latency probe's P99 wake-up overshoot."""
-    if sched_p99_us is None:
+INTERFERENCE_STYLES = {"quiet": "bold green", "busy": "bold yellow", "contended": "bold red"}
+
+
+def interference_level(verdict: str | None) -> tuple[str, str]:
+    """(word, style) for the host's interference verdict (telemetry/interference.py decides it)."""
+    if verdict is None:
         return fmt.NA, "dim"
-    if sched_p99_us < 1000:
-        return "quiet", "bold green"
-    if sched_p99_us < 4000:
-        return "busy", "bold yellow"
-    return "contended", "bold red"
+    return verdict, INTERFERENCE_STYLES.get(verdict, "bold")
+
+
+def _cores(percent: float | None) -> str:
+    """A CPU rate (100 = one core) in cores."""
+    return fmt.number(percent / 100 if percent is not None else None, "{:.2f}")
 
 
 class HostPanel(Vertical):
-    """Host CPU heat strip, the appliance's own share and the interference indicator."""
+    """Host CPU heat strip, the appliance's processes, what others take, and the interference verdict."""
 
     host: reactive[HostStats | None] = reactive(None)
 
@@ -309,18 +313,36 @@ class HostPanel(Vertical):
             return
         strip.loads = tuple(h.cpu_percent_per_core)
         cores = len(h.cpu_percent_per_core)
-        word, style = interference_level(h.sched_p99_us)
-        cpu_s = fmt.number(h.appliance_cpu_seconds, "{:.0f} s")
+        word, style = interference_level(h.interference)
         lines = [
             _line(_label("total "), f"{h.cpu_percent_total:.0f}%", _label(f" of {cores} cores")),
             _line(
                 _label("appliance "),
-                fmt.number(h.appliance_cpu_percent and h.appliance_cpu_percent / 100, "{:.2f} cores"),
-                _label(" ("),
+                (_cores(h.appliance_cpu_percent), "bold"),
+                _label(" cores ("),
                 fmt.number(h.appliance_share_percent, "{:.1f}%"),
                 _label(")"),
             ),
-            _line(_label("appliance cpu time "), cpu_s),
+        ]
+        # Each process apart, so a missing one (an engine the sum leaves out) shows.
+        for p in h.processes:
+            lines.append(
+                _line(
+                    _label(f"  {p.role:<8} "),
+                    _cores(p.cpu_percent),
+                    _label(" cores  "),
+                    fmt.number(p.cpu_seconds, "{:.0f} s"),
+                )
+            )
+        lines += [
+            _line(
+                _label("others "),
+                (_cores(h.others_cpu_percent), "bold"),
+                _label(" cores ("),
+                fmt.number(h.others_share_percent, "{:.1f}%"),
+                _label(")"),
+            ),
+            _line(_label("run-queue wait "), fmt.number(h.runqueue_ms_per_s, "{:.0f} ms/s")),
             _line(_label("sched p50 "), fmt.us(h.sched_p50_us), _label(" p99 "), fmt.us(h.sched_p99_us)),
             _line(_label("interference "), (f"● {word}", style)),
         ]

@@ -1,11 +1,12 @@
 """Telemetry: what the appliance measures about itself and serves to `blink-appliance top`.
 
-Samplers (host CPU and scheduling latency, NVML), the per-model token-latency tracker, and the
-snapshot that goes over the wire (`GET /telemetry`, `GET /telemetry/stream`).
+Samplers (host CPU per appliance process, others' load, run-queue delay, scheduling latency,
+NVML), the per-model token-latency tracker, and the snapshot that goes over the wire (`GET /telemetry`, `GET /telemetry/stream`).
 """
 
 from blink_appliance.telemetry.gpu import GpuSampler
 from blink_appliance.telemetry.host import HostSampler
+from blink_appliance.telemetry.interference import interference_verdict
 from blink_appliance.telemetry.latency import TokenLatencyTracker
 from blink_appliance.telemetry.sched_probe import SchedLatencyProbe
 from blink_appliance.telemetry.snapshot import (
@@ -14,6 +15,7 @@ from blink_appliance.telemetry.snapshot import (
     HostStats,
     LatencyStats,
     ModelTelemetry,
+    ProcessStats,
     TelemetrySnapshot,
 )
 from blink_appliance.telemetry.source import TelemetrySource
@@ -26,8 +28,10 @@ __all__ = [
     "HostStats",
     "LatencyStats",
     "ModelTelemetry",
+    "ProcessStats",
     "SchedLatencyProbe",
     "TelemetrySnapshot",
     "TelemetrySource",
     "TokenLatencyTracker",
+    "interference_verdict",
 ]

@@ -1,4 +1,5 @@
-"""Host CPU: per-core load, the appliance's own CPU use, and the scheduling-latency probe.
+"""Host CPU: per-core load, the appliance's own CPU use per process, what others take, the
+appliance's run-queue delay, the interference verdict, and the scheduling-latency probe.
 
 Rates are deltas between consecutive `sample()` calls (one sampler per process, called on a fixed
 cadence by TelemetrySource), computed from raw psutil counters rather than psutil.cpu_percent(),
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
 
+from blink_appliance.telemetry.interference import interference_verdict
+from blink_appliance.telemetry.runqueue import RunQueueMeter
 from blink_appliance.telemetry.sched_probe import SchedLatencyProbe
-from blink_appliance.telemetry.snapshot import HostStats
+from blink_appliance.telemetry.snapshot import HostStats, ProcessStats
 
-PidSource = Callable[[], Iterable[int]]
+# role ("daemon", "frontend", "engine") -> pid; None or 0 for one not running (an engine restarting).
+Processes = Mapping[str, int | None]
+ProcessSource = Callable[[], Processes]
 
 
 def _idle_and_total(t: Any) -> tuple[float, float]:
@@ -40,22 +45,28 @@ def _busy_percent(before: Any, after: Any) -> float:
 
 
 class HostSampler:
-    """Samples host CPU; `pids` names the appliance's processes (default: this process)."""
+    """Samples host CPU; `processes` names the appliance's processes by role (default: this one).
+
+    Pass a callable to follow processes that change: the engine gets a new pid when the daemon
+    restarts it, and the front end reads the current one from the ring header on every sample.
+    """
 
     def __init__(
         self,
-        pids: Iterable[int] | PidSource | None = None,
+        processes: Processes | ProcessSource | None = None,
         *,
         probe: SchedLatencyProbe | None = None,
     ) -> None:
-        if pids is None:
-            self._pids: PidSource = lambda: (os.getpid(),)
-        elif callable(pids):
-            self._pids = pids
+        if processes is None:
+            own = {"self": os.getpid()}
+            self._processes: ProcessSource = lambda: own
+        elif callable(processes):
+            self._processes = processes
         else:
-            fixed = tuple(pids)
-            self._pids = lambda: fixed
+            fixed = dict(processes)
+            self._processes = lambda: fixed
         self.probe = probe if probe is not None else SchedLatencyProbe()
+        self.runqueue = RunQueueMeter()
         self._last_cores = psutil.cpu_times(percpu=True)
         self._procs: dict[int, psutil.Process] = {}
         # pid -> (monotonic s, cpu seconds) at the previous sample
@@ -77,49 +88,74 @@ class HostSampler:
             self._procs[pid] = proc
         return proc
 
+    def _measure(self, role: str, pid: int, now: float) -> ProcessStats | None:
+        """One process's CPU rate and run-queue delay since the last sample; None if it is gone."""
+        proc = self._process(pid)
+        if proc is None:
+            return None
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # exited since the last sample
+            self._procs.pop(pid, None)
+            self._last_proc.pop(pid, None)
+            return None
+        used = t.user + t.system
+        prev = self._last_proc.get(pid)
+        self._last_proc[pid] = (now, used)
+        waited_ns = self.runqueue.sample(pid)
+        if prev is None or now <= prev[0]:
+            return ProcessStats(role=role, pid=pid, cpu_seconds=used)
+        dt = now - prev[0]
+        return ProcessStats(
+            role=role,
+            pid=pid,
+            cpu_percent=max(0.0, used - prev[1]) / dt * 100.0,
+            cpu_seconds=used,
+            runqueue_ms_per_s=waited_ns / 1e6 / dt if waited_ns is not None else None,
+        )
+
+    def _measure_all(self) -> list[ProcessStats]:
+        roles: dict[int, str] = {}
+        for role, pid in self._processes().items():
+            if pid and pid not in roles:  # one process under two roles is counted once
+                roles[pid] = role
+        now = time.monotonic()
+        found = [s for pid, role in roles.items() if (s := self._measure(role, pid, now)) is not None]
+        for gone in set(self._last_proc) - set(roles):
+            self._last_proc.pop(gone, None)
+            self._procs.pop(gone, None)
+        self.runqueue.forget(set(roles))
+        return found
+
     def sample(self) -> HostStats:
         cores = psutil.cpu_times(percpu=True)
         per_core = [_busy_percent(a, b) for a, b in zip(self._last_cores, cores, strict=False)]
         self._last_cores = cores
         total = sum(per_core) / len(per_core) if per_core else 0.0
-
-        pids = sorted(set(self._pids()))
-        now = time.monotonic()
-        cpu_seconds = 0.0
-        percent = 0.0
-        seen_any = False
-        have_rate = False
-        for pid in pids:
-            proc = self._process(pid)
-            if proc is None:
-                continue
-            try:
-                t = proc.cpu_times()
-            except psutil.Error:  # exited since the last sample
-                self._procs.pop(pid, None)
-                self._last_proc.pop(pid, None)
-                continue
-            used = t.user + t.system
-            cpu_seconds += used
-            seen_any = True
-            prev = self._last_proc.get(pid)
-            if prev is not None and now > prev[0]:
-                percent += (used - prev[1]) / (now - prev[0]) * 100.0
-                have_rate = True
-            self._last_proc[pid] = (now, used)
-        for gone in set(self._last_proc) - set(pids):
-            self._last_proc.pop(gone, None)
-            self._procs.pop(gone, None)
-
         ncores = len(per_core) or (psutil.cpu_count() or 1)
+
+        procs = self._measure_all()
+        # A rate only once every process has one: a sum missing the engine would understate it.
+        have_rate = bool(procs) and all(p.cpu_percent is not None for p in procs)
+        percent = sum(p.cpu_percent or 0.0 for p in procs) if have_rate else None
+        others = max(0.0, sum(per_core) - percent) if percent is not None else None
+        others_share = others / ncores if others is not None else None
+        waits = [p.runqueue_ms_per_s for p in procs]
+        runqueue = sum(w for w in waits if w is not None) if have_rate and None not in waits else None
+
         p50, p99, worst, n = self.probe.stats() if self.probe.running else (None, None, None, 0)
         return HostStats(
             cpu_percent_per_core=per_core,
             cpu_percent_total=total,
-            appliance_pids=pids,
-            appliance_cpu_percent=percent if have_rate else None,
-            appliance_share_percent=percent / ncores if have_rate else None,
-            appliance_cpu_seconds=cpu_seconds if seen_any else None,
+            appliance_pids=sorted(p.pid for p in procs),
+            processes=procs,
+            appliance_cpu_percent=percent,
+            appliance_share_percent=percent / ncores if percent is not None else None,
+            appliance_cpu_seconds=sum(p.cpu_seconds or 0.0 for p in procs) if procs else None,
+            others_cpu_percent=others,
+            others_share_percent=others_share,
+            runqueue_ms_per_s=runqueue,
+            interference=interference_verdict(others_share, runqueue),
             sched_p50_us=p50,
             sched_p99_us=p99,
             sched_max_us=worst,

@@ -72,15 +72,35 @@ class ModelTelemetry(BaseModel):
     latency: LatencyStats
 
 
+class ProcessStats(BaseModel):
+    """One of the appliance's processes: the daemon, the front end or the engine."""
+
+    role: str
+    pid: int
+    cpu_percent: float | None = None  # 100.0 = one core fully busy; None before a second reading
+    cpu_seconds: float | None = None  # user + system since the process started
+    # ms per second its threads were ready to run but waited for a core (telemetry/runqueue.py)
+    runqueue_ms_per_s: float | None = None
+
+
 class HostStats(BaseModel):
     cpu_percent_per_core: list[float]
     cpu_percent_total: float
     appliance_pids: list[int] = Field(default_factory=list)
+    # Each of the appliance's processes apart (daemon, front end, engine, as found).
+    processes: list[ProcessStats] = Field(default_factory=list)
     # Sum over the appliance's processes: 100.0 = one core fully busy.
     appliance_cpu_percent: float | None = None
     # The same as a share of the whole machine (all cores), 0-100.
     appliance_share_percent: float | None = None
     appliance_cpu_seconds: float | None = None  # user + system since the processes started
+    # What everything else on the host takes: host busy minus the appliance (100.0 = one core) ...
+    others_cpu_percent: float | None = None
+    others_share_percent: float | None = None  # ... and as a share of the whole machine, 0-100
+    # Run-queue delay summed over the appliance's threads, ms per second of wall time.
+    runqueue_ms_per_s: float | None = None
+    # quiet | busy | contended, from the two above (telemetry/interference.py); None: no rate yet
+    interference: str | None = None
     # Scheduling-latency probe: how late a 1 ms sleep wakes up, over the last second.
     sched_p50_us: float | None = None
     sched_p99_us: float | None = None

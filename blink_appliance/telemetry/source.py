@@ -47,8 +47,10 @@ class TelemetrySource:
         interval_s: float = 0.5,
         energy_window_s: float = 10.0,
         tracker_factory: Callable[[], TokenLatencyTracker] = TokenLatencyTracker,
+        device: str | None = None,
     ) -> None:
         self._engine_counters = engine_counters
+        self._device = device  # the profile's "cpu" or "cuda:N", shown where engines name none
         self.host = host if host is not None else HostSampler()
         self.gpu = gpu if gpu is not None else GpuSampler()
         self.interval_s = interval_s
@@ -138,6 +140,12 @@ class TelemetrySource:
         except Exception as e:  # engine gone or restarting: report, do not invent numbers
             return {}, f"{type(e).__name__}: {e}"
 
+    def _device_label(self, gpu: GpuStats) -> str | None:
+        """What the engine runs on, for people: "cpu", or the GPU's name (its "cuda:N" without NVML)."""
+        if self._device is None or self._device == "cpu":
+            return self._device
+        return gpu.name if gpu.available and gpu.name else self._device
+
     def _sample_devices(self) -> tuple[HostStats, GpuStats]:
         return self.host.sample(), self.gpu.sample()
 
@@ -146,6 +154,11 @@ class TelemetrySource:
         engines, engine_error = await self._read_engines()
         host, gpu = await asyncio.to_thread(self._sample_devices)
         now = time.monotonic()
+        device = self._device_label(gpu)
+        if device is not None:
+            for name, counters in engines.items():
+                if counters.device is None:
+                    engines[name] = counters.model_copy(update={"device": device})
 
         names = list(self._trackers)
         names += [n for n in engines if n not in self._trackers]

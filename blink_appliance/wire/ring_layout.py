@@ -25,7 +25,7 @@ import numpy as np
 from blink_appliance.wire.request import FinishReason
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-VERSION = 2  # 2: the step-time histogram in the telemetry block
+VERSION = 3  # 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s
 CACHE_LINE = 64
 # Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
 # set in the same store that publishes the terminal token, so a reader never mistakes the last
@@ -101,8 +101,13 @@ FINISH_CODES: dict[FinishReason, int] = {
 FINISH_FROM_CODE: dict[int, FinishReason] = {v: k for k, v in FINISH_CODES.items()}
 
 # Engine step time histogram: steps (iterations that ran a forward) whose time was at most each
-# bound, in microseconds, the last bucket unbounded; counts per bucket, not cumulative.
-STEP_TIME_BOUNDS_US: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# bound, in microseconds, the last bucket unbounded; counts per bucket, not cumulative. Doubling from
+# 32 us (a small GPU step) to 16.8 s: a CPU reference step takes tens to hundreds of ms, and seconds
+# on a host loaded by other work (4-5 s seen on a 2-core host at load 9), and each lands in a bucket.
+STEP_TIME_BOUNDS_US: tuple[int, ...] = (
+    32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
+    65536, 131072, 262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216,
+)  # fmt: skip
 STEP_TIME_FIELDS: tuple[str, ...] = tuple(f"step_time_hist_{i}" for i in range(len(STEP_TIME_BOUNDS_US) + 1))
 
 
