@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from blink_appliance.profile import ProfileError, load_profile, ring_geometry
+from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
+
+if TYPE_CHECKING:
+    from blink_appliance.model.config import ModelConfig
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -18,19 +24,80 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from blink_appliance.daemon import ensure_model
-    from blink_appliance.engine.plan import resolve_plan
-    from blink_appliance.model.loaders import load_checkpoint
-    from blink_appliance.wire.ring_layout import region_size
+    """Everything that can be checked from metadata; the verdict comes last, after every check ran."""
+    try:
+        profile = load_profile(args.profile)
+        unchecked = _check_profile(profile, load=args.load)
+    except ProfileError as e:
+        print(f"profile {args.profile}: invalid: {e}", file=sys.stderr)
+        return 2
+    if unchecked:
+        print(
+            f"profile {args.profile}: valid as far as this machine can tell; not checked: {'; '.join(unchecked)}"
+        )
+    else:
+        print(f"profile {args.profile}: valid")
+    return 0
 
-    profile = load_profile(args.profile)
+
+def _check_profile(profile: Profile, *, load: bool) -> list[str]:
+    """Print what the profile resolves to; raise ProfileError naming the key of the first problem.
+    Returns what could not be checked here (a model not pulled yet, a device this machine lacks)."""
+    from blink_appliance.model.metadata import ModelNotCached, read_checkpoint_info
+    from blink_appliance.model.sources import parse_source
+
     m = profile.model
-    print(f"profile {args.profile}: valid")
-    ensure_model(m.model_source)
-    # The architecture comes from the checkpoint itself, so the plan is what `up` will use.
-    config = load_checkpoint(m.model_source, seed=m.seed).config
-    plan = resolve_plan(m, config)
-    print(plan.describe())
+    key = "models[0].source" if m.source is not None else "models[0].name"
+    unchecked: list[str] = []
+    try:
+        if load:
+            from blink_appliance.daemon import ensure_model
+
+            ensure_model(m.model_source)
+        info = read_checkpoint_info(m.model_source)
+    except ModelNotCached as e:
+        print(f"model: {e}")
+        unchecked.append("the checkpoint and the memory plan (the model is not pulled yet)")
+        info = None
+    except (FileNotFoundError, ValueError) as e:
+        raise ProfileError(f"{key}: {e}") from None
+    if info is not None:
+        print(info.describe())
+        if info.tokenizer is None and parse_source(m.model_source)[0] != "dummy":
+            raise ProfileError(
+                f"{key}: {m.model_source!r} has no tokenizer (tokenizer.json), and the HTTP front end needs one"
+            )
+        unchecked += _check_plan(profile, info.config)
+    if load:
+        _load_weights(m.model_source, m.seed)
+    _print_rings_and_front_end(profile)
+    return unchecked
+
+
+def _check_plan(profile: Profile, config: ModelConfig) -> list[str]:
+    """The memory plan and the loop's geometry; a CUDA device this machine lacks is said, not guessed."""
+    from blink_appliance.engine.plan import resolve_plan
+
+    m = profile.model
+    missing = _missing_device(m.device)
+    if missing is None:
+        plan = resolve_plan(m, config)
+        print(plan.describe())
+    else:
+        # Without the device the budget of kv_fraction is unknown: plan with room for every block
+        # the limits can use (the other checks still run), and say so instead of printing a size.
+        plan = resolve_plan(m, config, available_bytes=1 << 62)
+        lines = plan.describe().splitlines()
+        if m.kv_fraction is not None:
+            lines = [
+                f"  kv cache       kv_fraction={m.kv_fraction} of {m.device}'s free memory after the weights, "
+                f"sized when the engine starts (at most {plan.num_kv_blocks} blocks x {plan.block_size} tokens "
+                "are used)"
+                if line.startswith("  kv cache")
+                else line
+                for line in lines
+            ]
+        print("\n".join(lines))
     if profile.uses_loop:
         from blink_appliance.engine.loop.geometry import loop_geometry
 
@@ -41,6 +108,36 @@ def _cmd_check(args: argparse.Namespace) -> int:
         )
     else:
         print(f"engine {profile.engine_mode}: the CPU reference engine")
+    if missing is None:
+        return []
+    print(f"device {m.device}: {missing}")
+    what = "the device and the KV cache size" if m.kv_fraction is not None else "the device"
+    return [f"{what} ({missing})"]
+
+
+def _missing_device(device: str) -> str | None:
+    """Why `device` cannot be checked on this machine, or None when it is here."""
+    if device == "cpu":
+        return None
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1])
+    return None if index < found else f"this machine has {found} CUDA device(s)"
+
+
+def _load_weights(source: str, seed: int) -> None:
+    """--load: read and decode every weight, as the engine will."""
+    from blink_appliance.model.loaders import load_checkpoint
+
+    started = time.monotonic()
+    ckpt = load_checkpoint(source, seed=seed)
+    print(f"loaded {len(ckpt.weights)} tensors in {time.monotonic() - started:.1f}s")
+
+
+def _print_rings_and_front_end(profile: Profile) -> None:
+    from blink_appliance.wire.ring_layout import region_size
+
     geometry = ring_geometry(profile)
     fe = profile.frontend
     print(
@@ -50,7 +147,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     auth = "bearer keys" if fe.api_keys else "no API keys (BLINK_API_KEY may add one)"
     print(f"front end http://{fe.host}:{fe.port} over {fe.transport}, {auth}")
-    return 0
 
 
 def _cmd_models_pull(args: argparse.Namespace) -> int:
@@ -74,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="blink-appliance",
         description="LLM serving appliance whose token loop never touches the host CPU",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('blink-appliance')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start the appliance described by a profile and serve until stopped")
@@ -82,8 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None, help="override frontend.port (0: any free port)")
     up.set_defaults(func=_cmd_up)
 
-    check = sub.add_parser("check", help="validate a profile and print the resolved plan")
+    check = sub.add_parser(
+        "check",
+        help="validate a profile from the model's metadata (no weight load, no download) and print the plan",
+    )
     check.add_argument("profile")
+    check.add_argument(
+        "--load", action="store_true", help="also pull a named model and read and decode every weight"
+    )
     check.set_defaults(func=_cmd_check)
 
     models = sub.add_parser("models", help="named models: pull into the local cache, list")

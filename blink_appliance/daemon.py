@@ -1,7 +1,9 @@
 """The daemon behind `blink-appliance up`: create the rings, start and supervise both processes, drain.
 
 Order of life:
-  1. validate the profile, pull a named model (both processes read it from the local cache);
+  1. validate the profile, check the front end's port can be listened on and the model's files exist
+     (seconds, before anything loads: each failure is one line), pull a named model (both processes
+     read it from the local cache);
   2. create the shared region (this process owns it and unlinks it at exit);
   3. start the engine process, wait until it reports RUNNING on the ring;
   4. start the front-end process, wait for its ready file, print the URL;
@@ -14,9 +16,11 @@ Order of life:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -233,10 +237,54 @@ class ApplianceDaemon:
         return 0 if fe_code in clean and engine_code in clean else 1
 
 
+def check_port(host: str, port: int, key: str = "frontend.port") -> None:
+    """Raise StartupError when (host, port) cannot be listened on now, before the engine spends its
+    load time. Bound and released at once: the front end binds it for good once the engine serves."""
+    if port == 0:
+        return  # any free port: the front end picks one
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"frontend.host {host!r}: cannot be resolved ({e.strerror})") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            # The options asyncio's create_server sets: a port left in TIME_WAIT by a previous run
+            # passes here as it will there, and an IPv6 socket does not claim the IPv4 port too.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                hint = "is another server using it? " if e.errno == errno.EADDRINUSE else ""
+                raise StartupError(
+                    f"{key}: cannot listen on {host}:{port} ({e.strerror}); {hint}"
+                    "choose another with --port or [frontend] port"
+                ) from None
+
+
+def preflight(profile: Profile, *, port_key: str = "frontend.port") -> None:
+    """What `up` can find wrong in a second, before it creates the rings or starts the engine."""
+    from blink_appliance.model.metadata import check_source_files
+
+    fe, m = profile.frontend, profile.model
+    check_port(fe.host, fe.port, port_key)
+    try:
+        check_source_files(m.model_source)
+    except (FileNotFoundError, ValueError) as e:
+        key = "models[0].source" if m.source is not None else "models[0].name"
+        raise StartupError(f"{key}: {e}") from None
+
+
 def run_up(profile: Profile, profile_path: Path, *, host: str | None, port: int | None) -> int:
     try:
         profile = profile.with_overrides(host=host, port=port)
     except ProfileError as e:
         say(str(e))
         return 2
+    try:
+        preflight(profile, port_key="--port" if port is not None else "frontend.port")
+    except StartupError as e:
+        say(f"error: {e}")
+        return 1
     return ApplianceDaemon(profile, profile_path, host=host, port=port).run()

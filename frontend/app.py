@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from importlib.metadata import version as package_version
 
 from aiohttp import web
 from blink_appliance.frontend import handlers
@@ -44,6 +45,14 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return APIError(500, "internal error in the front end", type="server_error").response()
 
 
+_VERSION = package_version("blink-appliance")
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's /version. Open without an API key, like /health: it names no model and no request."""
+    return web.json_response({"version": _VERSION})
+
+
 def create_app(
     service: CompletionService,
     *,
@@ -61,6 +70,7 @@ def create_app(
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", handlers.metrics)
     if telemetry is not None:
         from blink_appliance.frontend.telemetry_routes import add_telemetry_routes

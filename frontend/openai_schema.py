@@ -8,7 +8,7 @@ with "not supported yet" when they ask for something other than the default beha
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from blink_appliance.frontend.errors import APIError, bad_request, not_supported
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -126,17 +126,59 @@ class TextPart(BaseModel):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An OpenAI content part other than text: accepted by the schema only so that
+    ChatCompletionRequest.unsupported() refuses it with "not supported yet"."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+# Served roles, and OpenAI's tool-calling roles (refused in unsupported()).
+SERVED_ROLES = ("system", "developer", "user", "assistant")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[Annotated[TextPart | MediaPart, Field(discriminator="type")]] | None = None
     name: str | None = None
+    # Tool calling's message fields, so a tool conversation is refused as such, not as unknown keys.
+    tool_call_id: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+    def unsupported(self, index: int) -> APIError | None:
+        where = f"messages[{index}]"
+        if self.role not in SERVED_ROLES:
+            return _message_refused(f"{where}: '{self.role}' messages are not supported yet (tool calling)")
+        for key in ("tool_calls", "function_call"):
+            if getattr(self, key) not in (None, []):
+                return _message_refused(f"{where}.{key} is not supported yet (tool calling)")
+        if self.tool_call_id is not None:
+            return _message_refused(f"{where}.tool_call_id is not supported yet (tool calling)")
+        if self.content is None:
+            return bad_request(
+                f"missing required parameter 'messages.{index}.content'", "messages", "missing_parameter"
+            )
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if isinstance(part, MediaPart):
+                    return _message_refused(
+                        f"{where}.content[{j}]: '{part.type}' content parts are not supported yet "
+                        "(only text parts)"
+                    )
+        return None
 
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content or () if isinstance(part, TextPart))
+
+
+def _message_refused(message: str) -> APIError:
+    return APIError(400, message, param="messages", code="unsupported_parameter")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -157,6 +199,9 @@ class ChatCompletionRequest(_SamplingRequest):
                 return not_supported(key, "tool calling")
         if self.parallel_tool_calls not in (None, False):
             return not_supported("parallel_tool_calls", "tool calling")
+        for i, message in enumerate(self.messages):
+            if (problem := message.unsupported(i)) is not None:
+                return problem
         return super().unsupported()
 
     @property
@@ -180,8 +225,12 @@ def parse_request(cls: type[RequestT], body: Any) -> RequestT:
     try:
         request = cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(p) for p in err["loc"]]
+        errors = e.errors()
+        # A bad content part fails every branch of `str | list[part]`: of the first parameter's
+        # errors, the deepest is the branch the input meant (the part), not "should be a string".
+        first = errors[0]["loc"][:1]
+        err = max((x for x in errors if x["loc"][:1] == first), key=lambda x: len(x["loc"]))
+        loc = [str(p) for p in err["loc"] if not _is_branch_label(p)]
         where = ".".join(loc)
         param = loc[0] if loc else None  # OpenAI names the top-level parameter
         if err["type"] == "extra_forbidden":
@@ -194,6 +243,11 @@ def parse_request(cls: type[RequestT], body: Any) -> RequestT:
     if problem is not None:
         raise problem
     return request
+
+
+def _is_branch_label(part: int | str) -> bool:
+    """pydantic's names for the branch of a union in an error's location ("str", "list[...]")."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none"))
 
 
 # -- responses --------------------------------------------------------------------------------
