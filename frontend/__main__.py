@@ -123,7 +123,13 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, fe.host, fe.port, backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # up checked the port before the engine loaded; another program took it since
+        await client.close()
+        await runner.cleanup()
+        transport.close()
+        raise ProfileError(f"frontend.port: cannot listen on {fe.host}:{fe.port} ({e.strerror})") from None
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     port = sockets[0].getsockname()[1] if sockets else fe.port
     host = f"[{fe.host}]" if ":" in fe.host else fe.host

@@ -74,3 +74,37 @@ def test_up_with_a_missing_model_file_is_one_line_and_starts_nothing(tmp_path, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "models[0].source: hf: model directory not found" in err
+
+
+def test_a_port_taken_while_the_engine_loads_is_one_line_from_the_front_end(tmp_path):
+    """up's check passed, then another program took the port: the front end says so in one line and
+    exits 2, with no traceback and no BufferError from the shared region."""
+    import subprocess
+    import sys
+
+    from blink_appliance.profile import load_profile, ring_geometry
+    from blink_appliance.wire.region import RingRegion
+    from blink_appliance.wire.ring_layout import region_size
+    from blink_appliance.wire.shm_transport import ShmTransport
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        path = _profile(tmp_path, "dummy:tiny", taken.getsockname()[1])
+        profile = load_profile(path)
+        geometry = ring_geometry(profile)
+        transport = ShmTransport.create(profile.appliance.shm_name, region_size(geometry))
+        try:
+            RingRegion.create(transport, geometry)
+            done = subprocess.run(
+                [sys.executable, "-m", "blink_appliance.frontend", str(path)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        finally:
+            transport.close()
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("[frontend] frontend.port: cannot listen on 127.0.0.1:"), done.stderr
+    assert "Traceback" not in done.stderr and "BufferError" not in done.stderr, done.stderr
