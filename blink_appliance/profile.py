@@ -57,6 +57,9 @@ class ModelSection(_Section):
     name: str  # the id clients pass as "model"
     source: str | None = None  # hf:<dir>, gguf:<file>, dummy:<preset> or a named model; default: name
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "quantized": a GGUF's Q4_0/Q4_1/Q8_0 matrices stay as codes, multiplied by torch's CPU int4
+    # kernel (model/quantized_linear.py); "dequantized": fp weights, the reference's exact numerics.
+    cpu_weights: Literal["dequantized", "quantized"] = "dequantized"
     device: str = "cpu"
     max_seqs: int = Field(default=32, ge=1, le=4096)
     max_model_len: int = Field(default=2048, ge=16)
@@ -260,6 +263,11 @@ class Profile(_Section):
                 f"not {m.device!r}; use 'loop' or 'host'"
             ]
         errors = []
+        if m.cpu_weights == "quantized" and mode != "reference":
+            errors.append(
+                f"models[0].cpu_weights: 'quantized' runs on the CPU reference engine only "
+                f"(engine.mode is {mode!r}); remove the key or use 'dequantized'"
+            )
         if mode == "reference":
             for key in ("num_slots", "buckets", "deterministic"):
                 if getattr(e, key) is not None:

@@ -49,7 +49,7 @@ def serve(profile: Profile, stop: threading.Event) -> None:
         return
     pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus", ProfileError)
     t0 = _stage(f"loading {m.model_source}")
-    ckpt = load_checkpoint(m.model_source, seed=m.seed)
+    ckpt = load_checkpoint(m.model_source, seed=m.seed, quantized=m.cpu_weights == "quantized")
     plan = resolve_plan(m, ckpt.config)
     model = build_model(ckpt, dtype=getattr(torch, m.dtype), device=m.device)
     del ckpt  # the fp32 copy of the weights; the model holds its own

@@ -245,6 +245,9 @@ class LlamaModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # A module computing the logits when the output matrix is kept quantized (loaders/quantize.py);
+        # None: F.linear with the output embedding, the reference's exact fp path.
+        self.output_head: nn.Module | None = None
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -278,4 +281,6 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, plan, kv.k[i], kv.v[i])
         h = self.model.norm(x[batch.sample_rows])
+        if self.output_head is not None:
+            return self.output_head(h).float()
         return F.linear(h, self.output_embedding).float()

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named fp32 weights, + tokenizer.
 
 Read through the `gguf` package's memory-mapped reader; quantized tensors are dequantized with
-`gguf.quants.dequantize`. Two llama.cpp conventions are undone here: tensor shapes are stored in
+`gguf.quants.dequantize`, or, when the caller keeps them quantized, Q4_0/Q4_1/Q8_0 matrices are
+decoded into their integer codes and block scales (`GroupCodes`, model/quantized_linear.py). Two llama.cpp conventions are undone here: tensor shapes are stored in
 ggml order (innermost first; the reader's numpy views are already in torch order), and for the
 llama family the converter permuted the rows of q/k so that RoPE pairs are adjacent (GPT-J style)
 rather than half a head apart (the HF/NeoX style our model uses).
@@ -20,6 +21,7 @@ import torch
 
 from blink_appliance.model.config import ModelConfig, RopeScaling
 from blink_appliance.model.gguf_file import field_value, open_gguf
+from blink_appliance.model.quantized_linear import GroupCodes
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
@@ -196,9 +198,66 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(torch_shape), dtype=np.float32)
 
 
-def load_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
+# Block layouts (ggml-common.h): fp16 scale [, fp16 min], then the codes of 32 weights.
+KEPT_QUANTS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def group_codes(tensor: ReaderTensor) -> GroupCodes:
+    """A Q4_0/Q4_1/Q8_0 matrix as codes + per-block scale/offset, exactly what it dequantizes to."""
+    from gguf import GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(tensor.tensor_type).name
+    rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows * cols // 32, -1)
+    scale = raw[:, :2].copy().view(np.float16).astype(np.float32)
+    offset = np.zeros_like(scale)
+    if qtype == "Q8_0":
+        codes = raw[:, 2:34].copy().view(np.int8)
+    else:
+        qs = raw[:, 4:20] if qtype == "Q4_1" else raw[:, 2:18]
+        # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
+        codes = np.concatenate((qs & 0x0F, qs >> 4), axis=1)
+        if qtype == "Q4_1":
+            offset = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            codes = codes.astype(np.int8) - 8
+    return GroupCodes(
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
+        torch.from_numpy(scale.reshape(rows, cols // 32)),
+        torch.from_numpy(offset.reshape(rows, cols // 32)),
+    )
+
+
+def keeps_codes(tensor: ReaderTensor) -> bool:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(tensor.tensor_type).name in KEPT_QUANTS and len(tensor.shape) == 2
+
+
+def load_quantized(reader: GGUFReader, config: ModelConfig) -> dict[str, GroupCodes]:
+    """The Q4_0/Q4_1/Q8_0 matrices as codes, HF-named and with q/k rows in HF order."""
     arch = architecture(reader)
-    wanted = [(t, name) for t in reader.tensors if (name := hf_name(t.name)) is not None]
+    out: dict[str, GroupCodes] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or not keeps_codes(t):
+            continue
+        codes = group_codes(t)
+        if arch in _PERMUTED_QK:
+            if name.endswith("q_proj.weight"):
+                codes = codes.permute_rows(lambda w: unpermute_rope_rows(w, config.num_heads))
+            elif name.endswith("k_proj.weight"):
+                codes = codes.permute_rows(lambda w: unpermute_rope_rows(w, config.num_kv_heads))
+        out[name] = codes
+    return out
+
+
+def load_weights(
+    reader: GGUFReader, config: ModelConfig, skip: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """HF-named fp32 weights of every tensor but those named in skip (kept quantized elsewhere)."""
+    arch = architecture(reader)
+    wanted = [(t, name) for t in reader.tensors if (name := hf_name(t.name)) is not None and name not in skip]
     unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and t.name != "rope_freqs.weight"]
     if unknown:
         raise ValueError(f"GGUF: tensors the {arch} model does not carry: {unknown[:5]}")
@@ -226,10 +285,19 @@ def load_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Ten
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Config, HF-named fp32 weights and the tokenizer of a GGUF checkpoint."""
+    config, weights, _, tokenizer = load_gguf_quantized(path, keep=False)
+    return config, weights, tokenizer
+
+
+def load_gguf_quantized(
+    path: str | Path, *, keep: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, GroupCodes], Tokenizer]:
+    """Like load_gguf, but (keep) Q4_0/Q4_1/Q8_0 matrices come back as codes, not fp32 weights."""
     from blink_appliance.model.tokenizer import Tokenizer
 
     reader = open_gguf(path)
     config = config_from_gguf(reader)
     tokenizer = Tokenizer.from_gguf_reader(reader)
-    weights = load_weights(reader, config)
-    return config, weights, tokenizer
+    quantized = load_quantized(reader, config) if keep else {}
+    weights = load_weights(reader, config, skip=frozenset(quantized))
+    return config, weights, quantized, tokenizer
