@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from blink_appliance.kernels import (  # noqa: E402
+    kv_blocks,
     ring_access,
     schedule_batch,
-    kv_blocks,
     schedule_records,
     schedule_step,
 )
