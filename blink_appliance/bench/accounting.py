@@ -129,7 +129,7 @@ class RunMeter:
     def __init__(self, server: ServerProcesses, *, gpu_index: int | None = 0) -> None:
         self.server = server
         self._gpu = GpuSampler(gpu_index) if gpu_index is not None else None
-        self._host = HostSampler(server.pids)
+        self._host = HostSampler({f"server-{i}": pid for i, pid in enumerate(server.pids)})
         self._t0 = 0.0
         self._energy0: float | None = None
         self._cpu0: float | None = None
