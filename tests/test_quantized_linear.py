@@ -13,8 +13,17 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from blink_appliance.model.kv_cache import PagedKVCache
+from blink_appliance.model.llama import apply_rope, paged_attention, plan_attention, rope_cos_sin
 from blink_appliance.model.loaders import build_model, load_checkpoint
 from blink_appliance.model.loaders.gguf_loader import load_gguf, load_gguf_quantized
+from blink_appliance.model.quantized_layers import (
+    FusedQuantizedLinear,
+    QuantizedAttention,
+    QuantizedMLP,
+    decode_attention,
+    is_single_decode,
+    rope_matrix,
+)
 from blink_appliance.model.quantized_linear import GroupCodes, QuantizedEmbedding, QuantizedLinear
 from blink_appliance.profile import ProfileError, parse_profile
 from tests.gguf_helpers import write_gguf
@@ -103,6 +112,8 @@ def test_quantized_model_logits_close_to_the_reference(tmp_path, qtype, tied):
     reference = build_model(load_checkpoint(f"gguf:{path}"))
     quantized = build_model(load_checkpoint(f"gguf:{path}", quantized=True))
     assert isinstance(quantized.model.layers[0].mlp.up_proj, QuantizedLinear)
+    assert isinstance(quantized.model.layers[0].mlp, QuantizedMLP)
+    assert isinstance(quantized.model.layers[0].self_attn, QuantizedAttention)
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)
     assert quantized.output_head is not None and reference.output_head is None
     steps = [[5, 9, 17, 33], [40], [41]]  # a prefill chunk, then two decode steps
@@ -166,3 +177,40 @@ def test_smollm2_teacher_forced_logits_close_and_greedy_equal_off_near_ties(smol
             if (top[0] - top[1]).item() > 2 * tol:
                 assert int(got.argmax()) == int(ref.argmax()), (prompt, step)
             ids = [int(ref.argmax())]
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_fused_projection_equals_separate_ones(kind):
+    """q/k/v (or gate/up) as one int4 matmul over the concatenated codes: each output equals its own matmul."""
+    ws = [_random_codes(n, 128, kind, seed=i) for i, n in enumerate((96, 32, 32))]
+    fused = FusedQuantizedLinear([QuantizedLinear(w) for w in ws], ws)
+    x = torch.randn(3, 128)
+    for got, w in zip(fused(x), ws, strict=True):
+        assert torch.equal(got, QuantizedLinear(w)(x))
+    with pytest.raises(RuntimeError, match="moved into a fused projection"):
+        fused.linears[0](x)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_decode_attention_matches_paged_attention(contiguous):
+    """The batch-1 decode shortcut (no mask, keys read as a view when their slots are consecutive)."""
+    seqs = PagedSequences(8, 4, 8)
+    if contiguous:
+        seqs.free = list(range(7, -1, -1))  # popped from the end: blocks 0, 1, 2, ...
+    seqs.batch([(0, list(range(9)))])
+    batch = seqs.batch([(0, [3])])
+    plan = plan_attention(batch, 4, torch.float32)
+    assert is_single_decode(plan, 1)
+    k_cache, v_cache = torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16)
+    q = torch.randn(1, 6, 16)
+    ref = paged_attention(q, k_cache, v_cache, plan, 0.25)
+    got = decode_attention(q, k_cache, v_cache, plan, 0.25)
+    assert (plan.__dict__["_key_span"] is not None) == contiguous
+    torch.testing.assert_close(got, ref)
+
+
+def test_rope_matrix_equals_apply_rope():
+    cos, sin = rope_cos_sin(torch.tensor([1.0, 2.0]), torch.tensor([7]), torch.float32)
+    cos, sin = torch.cat((cos, cos + 0.5), -1), torch.cat((sin, sin - 0.25), -1)  # head_dim 8, no symmetry
+    x = torch.randn(1, 3, 8)
+    torch.testing.assert_close(x[0] @ rope_matrix(cos[0], sin[0]), apply_rope(x, cos, sin)[0])

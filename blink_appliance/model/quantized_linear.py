@@ -27,6 +27,8 @@ from torch import nn
 GROUP = 32  # GGUF's Q4_0/Q4_1/Q8_0 block length, also a group size torch's int4 kernel supports
 _ACT_DTYPE = torch.bfloat16
 _ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N % 16 == 0
+# The overload itself: calling it skips the op packet's Python dispatch, a few us of each matmul's ~10.
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 @dataclass
@@ -79,24 +81,44 @@ def _pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[tor
     return packed, table
 
 
+def code_kind(w: GroupCodes) -> str:
+    """ "q4_1" (codes 0..15), "q4_0" (-8..7) or "q8" (-128..127): which int4 packing int4_parts uses."""
+    lo_code, hi_code = int(w.codes.min()), int(w.codes.max())
+    if lo_code >= 0 and hi_code <= 15:
+        return "q4_1"
+    if lo_code >= -8 and hi_code <= 7:
+        return "q4_0"
+    if lo_code >= -128 and hi_code <= 127:
+        return "q8"
+    raise ValueError(f"quantized codes in {lo_code}..{hi_code}: not 4- or 8-bit")
+
+
+def concat_rows(ws: list[GroupCodes]) -> GroupCodes:
+    """The weights stacked along the output dim: one matrix whose product holds each one's, in order."""
+    codes = [w.codes for w in ws]
+    if len({c.dtype for c in codes}) > 1:  # uint8 Q4_1 next to int8 codes: a type holding both
+        codes = [c.to(torch.int16) for c in codes]
+    return GroupCodes(torch.cat(codes), torch.cat([w.scale for w in ws]), torch.cat([w.offset for w in ws]))
+
+
 def int4_parts(w: GroupCodes) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The int4 matmuls whose sum is x @ w.T: one for 4-bit codes, two (high/low nibble) for 8-bit ones."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"quantized weight of {k} inputs: not a multiple of the group size {GROUP}")
-    lo_code, hi_code = int(w.codes.min()), int(w.codes.max())
+    kind = code_kind(w)
     codes = w.codes.to(torch.int32)
-    if lo_code >= 0 and hi_code <= 15:  # Q4_1: (q - 8) * s + (offset + 8 s) == q * s + offset
+    if kind == "q4_1":  # (q - 8) * s + (offset + 8 s) == q * s + offset
         return [_pack(codes, w.scale, w.offset + 8 * w.scale)]
-    if lo_code >= -8 and hi_code <= 7:  # Q4_0
+    if kind == "q4_0":
         return [_pack(codes + 8, w.scale, w.offset)]
-    if lo_code >= -128 and hi_code <= 127:  # Q8_0: code = 16 * hi + lo, hi in -8..7, lo in 0..15
+    if kind == "q8":  # Q8_0: code = 16 * hi + lo, hi in -8..7, lo in 0..15
         hi, lo = codes >> 4, codes & 15
         return [
             _pack(hi + 8, 16 * w.scale, w.offset),
             _pack(lo, w.scale, 8 * w.scale),
         ]
-    raise ValueError(f"quantized codes in {lo_code}..{hi_code}: not 4- or 8-bit")
+    raise AssertionError(kind)
 
 
 class QuantizedLinear(nn.Module):
@@ -112,14 +134,20 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(_ACT_DTYPE)
-        y = None
-        for packed, table in self.parts:
-            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, table).to(torch.float32)
-            y = part if y is None else y + part
+        if not self.parts:
+            raise RuntimeError(f"{self.extra_repr()}: its weights moved into a fused projection")
+        x2 = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(_ACT_DTYPE)
+        if (
+            len(self.parts) == 1
+        ):  # the common case, with the fewest ops: at batch 1 each costs a matmul's tenth
+            y = _INT4_MM(x2, self.parts[0][0], GROUP, self.parts[0][1])
+        else:
+            y = sum(_INT4_MM(x2, packed, GROUP, table).to(torch.float32) for packed, table in self.parts)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

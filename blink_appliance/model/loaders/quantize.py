@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from blink_appliance.model.llama import LlamaModel
+from blink_appliance.model.llama import LlamaModel, RMSNorm
+from blink_appliance.model.quantized_layers import (
+    FastRMSNorm,
+    FusedQuantizedLinear,
+    QuantizedAttention,
+    QuantizedMLP,
+    can_fuse,
+)
 from blink_appliance.model.quantized_linear import GroupCodes, QuantizedEmbedding, QuantizedLinear
 
 
@@ -36,3 +43,29 @@ def swap_quantized(model: LlamaModel, codes: dict[str, GroupCodes]) -> None:
             model.output_head = QuantizedLinear(codes["model.embed_tokens.weight"])
     elif "lm_head.weight" in codes:
         model.output_head = model.lm_head
+    fuse_layers(model, codes)
+
+
+def fuse_layers(model: LlamaModel, codes: dict[str, GroupCodes]) -> None:
+    """Swap in quantized_layers' modules: fused q/k/v and gate/up matmuls, fewer small ops.
+
+    Runs on the meta-device model before its weights load; the fused modules keep the originals'
+    names, so the checkpoint's remaining tensors (norms, biases) load where they did.
+    """
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        attn = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+        if all(n in codes for n in attn) and can_fuse([codes[n] for n in attn]):
+            old = layer.self_attn
+            qkv = FusedQuantizedLinear([old.q_proj, old.k_proj, old.v_proj], [codes[n] for n in attn])
+            layer.self_attn = QuantizedAttention(model.config, old, qkv)
+        mlp = [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up")]
+        if all(n in codes for n in mlp) and can_fuse([codes[n] for n in mlp]):
+            old = layer.mlp
+            layer.mlp = QuantizedMLP(
+                old, FusedQuantizedLinear([old.gate_proj, old.up_proj], [codes[n] for n in mlp])
+            )
+    for name, module in list(model.named_modules()):
+        if type(module) is RMSNorm:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, FastRMSNorm(module.weight.shape[0], module.eps))
