@@ -391,3 +391,16 @@ async def test_a_payload_that_never_arrives_ends_the_stream_with_an_error_and_ca
         assert [(e.token_id, e.finish_reason) for e in events] == [(None, FinishReason.ERROR)]
         assert "published the stream's token 0 but it never arrived" in events[0].error
         assert region.load_ctl(slot, "cancel") == generation
+
+
+async def test_a_parameter_too_wide_for_its_ring_word_is_refused_before_a_slot_is_taken():
+    """top_k 2**31 does not fit the record's int32: a ValueError (HTTP 400), and the in-flight slot
+    and the request id stay free, however often it is tried (each try used to leak a slot for good)."""
+    async with hand_engine_client() as (client, region):
+        free, next_id = len(client._free), client._next_id
+        for _ in range(SMALL.max_inflight + 1):
+            with pytest.raises(ValueError, match="does not fit the request record"):
+                client.submit([5, 6], dataclasses.replace(GREEDY, top_k=2**31))
+        assert (len(client._free), client._next_id, region.load("arena_head")) == (free, next_id, 0)
+        rid = client.submit([5, 6], GREEDY)
+        assert rid == next_id and client._by_id[rid].slot >= 0

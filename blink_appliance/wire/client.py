@@ -162,10 +162,16 @@ class EngineClient:
         end = position + n
         if end - r.load("arena_tail") > g.arena_tokens:
             raise EngineBusyError("prompt token arena full")
+        # The record is built before anything is claimed: a field that does not fit its ring word
+        # (top_k 2**31, say) must fail here, not after the slot is taken, or the slot is lost for good.
+        request_id = self._next_id
+        try:
+            record = r.request_record((request_id, 0, 0, priority), (position, end, n), params)
+        except OverflowError as e:
+            raise ValueError(f"a sampling parameter does not fit the request record: {e}") from None
 
         slot = self._free.popleft()
         generation = int(r.load_ctl(slot, "generation")) + 1
-        request_id = self._next_id
         self._next_id += 1
         # The slot is ours (done == previous generation): reset it, then claim the new generation.
         r.store_progress(slot, "count", 0)
@@ -176,7 +182,7 @@ class EngineClient:
         r.write_prompt(position, prompt.astype("<i4"))
         self._arena_head = end
         r.store("arena_head", end)
-        record = r.request_record((request_id, generation, slot, priority), (position, end, n), params)
+        record[0]["generation"], record[0]["slot"] = generation, slot
         r.publish_record(self._head, record)
         self._head += 1
         r.store("next_request_id", self._next_id)
