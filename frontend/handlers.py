@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,12 +34,40 @@ STARTED_AT = web.AppKey("started_at", int)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# A JSON escape of a UTF-16 surrogate: only a body holding one needs its strings checked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 async def _json_body(request: web.Request) -> Any:
     raw = await request.read()  # over client_max_size: aiohttp raises 413, the error middleware shapes it
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
+    return body
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    """json.loads turns an unpaired \\ud800 into a str that no tokenizer can take: a 400 here."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(
+                    "the request body holds an unpaired UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode"
+                ) from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _failure(e: EngineFailure) -> APIError:
