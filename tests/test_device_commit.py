@@ -270,32 +270,18 @@ def test_arguments_are_bound_to_the_kernels_parameters_by_name():
 
 
 _COMPILE_FOR_H100 = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
+import torch
 from blink_appliance.engine.loop.commit import DeviceCommit
 from blink_appliance.engine.loop.state import DeviceState, LoopGeometry
 from blink_appliance.kernels.commit import commit_kernel
 from blink_appliance.wire.ring_layout import RingGeometry, RingLayout
+from tests.sm90_ptx import ptx_for_sm90
 
 geometry, ring_geometry = {geometry!r}, {ring!r}
 layout = RingLayout.of(ring_geometry)
 region = torch.zeros(layout.size, dtype=torch.uint8)
 commit = DeviceCommit(geometry, DeviceState.allocate(geometry, "cpu"), region, layout)
-types = {{torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32"}}
-constexprs = dict(commit._constexprs, ON_GPU=True)
-signature = {{}}
-for name in commit_kernel.arg_names:
-    if name in constexprs:
-        signature[name] = "constexpr"
-    else:
-        a = commit._args[name]
-        signature[name] = types[a.dtype] if isinstance(a, torch.Tensor) else "i32"
-compiled = triton.compile(
-    triton.compiler.ASTSource(fn=commit_kernel, signature=signature, constexprs=constexprs),
-    target=GPUTarget("cuda", 90, 32),
-    options={{"num_warps": 4}},
-)
-ptx = compiled.asm["ptx"]
+ptx = ptx_for_sm90(commit_kernel, commit._args, commit._constexprs, num_warps=4, scalar="i32")
 print("release", ptx.count("st.release.sys.global.u64"), "fence", ptx.count("fence.acq_rel.sys"),
       "clock", ptx.count("%globaltimer"), "local", ptx.count(".local"))
 """

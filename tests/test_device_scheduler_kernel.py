@@ -52,34 +52,20 @@ def test_launch_is_capturable_by_construction():
 
 
 _COMPILE_FOR_H100 = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
+import torch
 from blink_appliance.engine.loop.scheduler import DeviceScheduler
 from blink_appliance.engine.loop.state import DeviceState
 from blink_appliance.kernels.schedule import schedule_kernel
 from blink_appliance.model.step_inputs import StepInputs
 from blink_appliance.wire.ring_layout import RingLayout
+from tests.sm90_ptx import ptx_for_sm90
 from tests.twin_front_end import LOOP, RING
 
 layout = RingLayout.of(RING)
 ring = torch.zeros(layout.size, dtype=torch.uint8)
 inputs = StepInputs.allocate(LOOP.max_num_batched_tokens, LOOP.max_num_seqs, LOOP.max_blocks_per_seq, "cpu")
 sched = DeviceScheduler(LOOP, DeviceState.allocate(LOOP, "cpu"), ring, layout, inputs, 1)
-types = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.uint8: "*u8"}
-constants = dict(sched._constants, ON_GPU=True)
-signature = {}
-for name in schedule_kernel.arg_names:
-    if name in constants:
-        signature[name] = "constexpr"
-    else:
-        a = sched._args[name]
-        signature[name] = types[a.dtype] if isinstance(a, torch.Tensor) else "i64"
-compiled = triton.compile(
-    triton.compiler.ASTSource(fn=schedule_kernel, signature=signature, constexprs=constants),
-    target=GPUTarget("cuda", 90, 32),
-    options={"num_warps": sched.num_warps},
-)
-ptx = compiled.asm["ptx"]
+ptx = ptx_for_sm90(schedule_kernel, sched._args, sched._constants, num_warps=sched.num_warps)
 print("acquire", ptx.count("ld.acquire.sys.global.u64"), "release", ptx.count("st.release.sys.global.u64"),
       "local", ptx.count(".local"))
 """
