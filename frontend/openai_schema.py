@@ -295,6 +295,27 @@ def chat_body(
     }
 
 
+def _chunk(
+    rid: str,
+    kind: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None,
+) -> dict[str, Any]:
+    """One streamed event; usage only where it is sent (the last chunk, if the client asked)."""
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
 def chat_chunk(
     rid: str,
     model: str,
@@ -309,16 +330,7 @@ def chat_chunk(
         if delta is None
         else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     )
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+    return _chunk(rid, "chat.completion.chunk", model, created, choices, usage_)
 
 
 def completion_chunk(
@@ -333,16 +345,7 @@ def completion_chunk(
     choices = (
         [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
     )
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+    return _chunk(rid, "text_completion", model, created, choices, usage_)
 
 
 def models_body(model: str, created: int) -> dict[str, Any]:
