@@ -125,8 +125,9 @@ def timed_step(step: LoopStep, clock: Clock) -> dict:
     if ran:
         step.forward_bucket(index)
     clock.mark()
-    if ran and variant in (0, 1):
-        (step.sample_greedy if variant == 0 else step.sample_full)()
+    samplers = step.sampler.variants()
+    if ran and 0 <= variant < len(samplers):
+        samplers[variant]()
     clock.mark()
     step.commit()
     clock.mark()

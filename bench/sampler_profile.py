@@ -1,15 +1,14 @@
-"""Where the device sampler's time goes, per logit shape and sampling mix. One device call.
+"""What the device sampler costs per sampling mix, logit shape and batch size. One device call.
 
-    PYTHONPATH=. python3 bench/sampler_profile.py [--rows 64] [--vocab 128256] [--out DIR]
+    PYTHONPATH=. python3 bench/sampler_profile.py [--rows 1,64] [--vocab 128256] [--out DIR]
 
-An earlier session measured the full sampler (`DeviceSampler.full`) at about 3.8 ms a step for 64
-rows at V = 128256 (greedy: 29 us), where the docstring's estimate from its traffic is 0.1-0.2 ms.
-This finds which part costs it. Per case (a logit shape times a sampling mix, every row the same
-mix), after checking the sampled tokens against the reference sampler (engine/reference/sampler.py):
-- `greedy()` and `full()` captured as CUDA graphs (as the loop runs them), median replay time;
-- how many rows have their top-k / top-p cut past the 256 candidates, which sends them down the
-  exact-cut path (counted on the host from the logits; ties at the candidates' edge left out);
-- the top kernels of a few eager `full()` calls under the torch profiler (us per call).
+Per case (a logit shape, a sampling mix with every row the same, a row count), after checking the
+tokens of the variant schedule picks against the reference sampler (engine/reference/sampler.py):
+- `greedy()`, the picked variant and `full()`, each captured as a CUDA graph (as the loop runs
+  them), median replay time, and the picked variant's cost over greedy;
+- for `full()`, how many rows have their top-k / top-p cut past the 256 candidates, which sends them
+  down the exact-cut path (counted on the host; ties at the candidates' edge left out);
+- the top kernels of a few eager calls of the picked variant under the torch profiler (us per call).
 
 Logit shapes: `flat` (N(0, 1): what random weights give, where a 0.9 nucleus holds most of the
 vocabulary) and `peaked` (N(0, 1) plus a Zipf-like head: a 0.9 nucleus of about 60 ranks, as a
@@ -40,11 +39,13 @@ _ensure_kernels_importable()
 from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
 from blink_appliance.engine.reference.sampler import SamplingTensors, sample  # noqa: E402
 from blink_appliance.wire.request import SamplingParams  # noqa: E402
-from tests.test_device_sampler import load_rows, make_state  # noqa: E402  (what schedule writes for the rows)
+from tests.test_device_sampler import load_rows, make_state, variant_for  # noqa: E402  (as schedule does)
+
+VARIANT_NAMES = ("greedy", "rejection", "full")
 
 MIXES: dict[str, dict] = {
-    "temperature": dict(temperature=0.8),
-    "top_p 0.9": dict(temperature=0.8, top_p=0.9),
+    "temperature 1.0": dict(temperature=1.0),
+    "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "top_p 0.95, top_k 40": dict(temperature=0.8, top_p=0.95, top_k=40),
     "top_k 1000": dict(temperature=0.8, top_k=1000),
     "min_p 0.05": dict(temperature=0.8, min_p=0.05),
@@ -118,43 +119,48 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
     output_index = [r % 7 for r in range(rows)]
     state = make_state(rows, vocab)
     load_rows(state, params, output_index)
-    state.sampler_index.fill_(1)
     sampler = DeviceSampler(state, logits)
+    variant = variant_for(params)
+    picked = sampler.variants()[variant]
 
-    sampler.full()
+    picked()
     want = sample(logits.cpu(), SamplingTensors.build(params, [p.seed for p in params], output_index, "cpu"))
     mismatches = int((state.sampled.cpu() != want).sum())
     result = {
         "shape": shape,
         "mix": mix,
+        "rows": rows,
+        "variant": VARIANT_NAMES[variant],
         "mismatches": mismatches,
         "exact_rows": exact_rows(logits, params, sampler.candidates),
         "greedy_ms": graph_ms(sampler.greedy, device),
+        "picked_ms": graph_ms(picked, device),
         "full_ms": graph_ms(sampler.full, device),
     }
     if device == "cuda":
-        result["top_kernels_us"] = top_kernels(sampler.full)
+        result["top_kernels_us"] = top_kernels(picked)
     return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--rows", default="1,64", help="comma-separated row counts")
     ap.add_argument("--vocab", type=int, default=None, help="default: 128256 on a GPU, 2000 interpreted")
     ap.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab = args.vocab or (128256 if device == "cuda" else 2000)
-    rows = args.rows if device == "cuda" else min(args.rows, 8)
+    row_counts = [int(n) if device == "cuda" else min(int(n), 8) for n in args.rows.split(",")]
     env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreted)",
-           "torch": torch.__version__, "rows": rows, "vocab": vocab}  # fmt: skip
+           "torch": torch.__version__, "rows": row_counts, "vocab": vocab}  # fmt: skip
     print(json.dumps(env), flush=True)
     results = []
-    for shape in ("flat", "peaked"):
-        for mix in MIXES:
-            r = run_case(shape, mix, rows, vocab, device)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+    for rows in row_counts:
+        for shape in ("flat", "peaked"):
+            for mix in MIXES:
+                r = run_case(shape, mix, rows, vocab, device)
+                results.append(r)
+                print(json.dumps(r), flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sampler_profile.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
@@ -162,13 +168,18 @@ def main() -> None:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"
 
-    print(f"\n{rows} rows, V = {vocab}, {env['device']}")
-    print("| logits | mix | rows past the candidates | greedy ms | full ms | mismatches |")
-    print("|---|---|---|---|---|---|")
+    def over(r: dict) -> str:
+        return "-" if r["greedy_ms"] is None else f"+{r['picked_ms'] - r['greedy_ms']:.3f}"
+
+    print(f"\nV = {vocab}, {env['device']}")
+    print(
+        "| rows | logits | mix | variant | greedy ms | variant ms | over greedy | full ms | rows past the candidates (full) | mismatches |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['shape']} | {r['mix']} | {r['exact_rows']} | {ms(r['greedy_ms'])} | {ms(r['full_ms'])} "
-            f"| {r['mismatches']} |"
+            f"| {r['rows']} | {r['shape']} | {r['mix']} | {r['variant']} | {ms(r['greedy_ms'])} | {ms(r['picked_ms'])} "
+            f"| {over(r)} | {ms(r['full_ms'])} | {r['exact_rows']} | {r['mismatches']} |"
         )
     bad = sum(r["mismatches"] for r in results)
     if bad:

@@ -25,6 +25,11 @@ from triton.language.extra import libdevice
 
 GAMMA = tl.constexpr(0x9E3779B97F4A7C15)  # engine/reference/rng.py
 INT64_MAX = 2**63 - 1
+# The sampler variants (the loop's sampler SWITCH), ordered by what they serve: each serves every row
+# a smaller one serves, so schedule takes the largest any row needs. engine/loop/sampler.py has them.
+SAMPLER_GREEDY = 0  # argmax rows only
+SAMPLER_REJECTION = 1  # temperature, top-p, min-p (kernels/sampling_rejection.py)
+SAMPLER_FULL = 2  # and top-k
 
 
 @triton.jit

@@ -188,7 +188,7 @@ def schedule_kernel(
     nseq = tl.full([], 0, tl.int32)  # sequences in the batch
     ntot = tl.full([], 0, tl.int32)  # tokens in the step
     nsamp = tl.full([], 0, tl.int32)  # sample rows
-    any_random = tl.full([], 0, tl.int32)
+    sampler_index = tl.full([], 0, tl.int32)
     n_preempted = tl.full([], 0, tl.int32)
     n_admitted = tl.full([], 0, tl.int32)
     n_rejected = tl.full([], 0, tl.int32)
@@ -227,15 +227,15 @@ def schedule_kernel(
             top, m, ms, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
             MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, SLOT,
         )  # fmt: skip
-        nseq, ntot, nsamp, any_random = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
-        top, next_run_order, nseq, ntot, nsamp, any_random = admit_waiting(
-            ntot, nsamp, budget, top, nseq, next_run_order, any_random, st, md, m, n_preempted,
+        nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
+        top, next_run_order, nseq, ntot, nsamp, sampler_index = admit_waiting(
+            ntot, nsamp, budget, top, nseq, next_run_order, sampler_index, st, md, m, n_preempted,
             free_blocks_ptr, slots, step, S, BS, MAXB, BLOCK_D, BLOCK_J, SLOT,
         )  # fmt: skip
 
     # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.
     bucket = finish_step_tables(
-        nseq, ntot, nsamp, any_random, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
+        nseq, ntot, nsamp, sampler_index, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
         sampler_index_ptr, S, NUM_BUCKETS, BLOCK_S, BLOCK_S1, BLOCK_NB,
     )  # fmt: skip
 

@@ -15,7 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from blink_appliance.kernels.kv_blocks import pop_blocks, push_blocks
+from blink_appliance.kernels.sampling import SAMPLER_FULL, SAMPLER_GREEDY, SAMPLER_REJECTION
 
+_SAMPLER_GREEDY = tl.constexpr(SAMPLER_GREEDY)
+_SAMPLER_REJECTION = tl.constexpr(SAMPLER_REJECTION)
+_SAMPLER_FULL = tl.constexpr(SAMPLER_FULL)
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
@@ -127,7 +131,7 @@ def fill_budget(
 @triton.jit
 def write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step):
     """The running part of the batch, in run order: step tables and sample rows of the sequences
-    with a chunk. Returns (sequences, tokens, sample rows, 1 if a row samples at temperature > 0)."""
+    with a chunk. Returns (sequences, tokens, sample rows, the sampler variant they need)."""
     sched_k = n_k > 0
     bi_k = tl.cumsum(sched_k.to(tl.int32), 0) - sched_k.to(tl.int32)
     qs_k = tl.cumsum(n_k, 0) - n_k
@@ -140,13 +144,13 @@ def write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step):
     tl.store(step.step_chunk + bi_k, n_k, mask=sched_k)
     tl.store(step.query_start + bi_k, qs_k, mask=sched_k)
     tl.store(step.context_lens + bi_k, ncomp_k + n_k, mask=sched_k)
-    any_random = _write_sample_rows(samples_k, row_k, ks, (qs_k + n_k - 1).to(tl.int64), slots, step)
-    return nseq, ntot, nsamp, any_random
+    sampler_index = _write_sample_rows(samples_k, row_k, ks, (qs_k + n_k - 1).to(tl.int64), slots, step)
+    return nseq, ntot, nsamp, sampler_index
 
 
 @triton.jit
 def admit_waiting(
-    ntot, nsamp, budget, top, nseq, next_run_order, any_random, st, md, m, n_preempted,
+    ntot, nsamp, budget, top, nseq, next_run_order, sampler_index, st, md, m, n_preempted,
     free_blocks_ptr, slots, step,
     S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
     SLOT: tl.constexpr,
@@ -154,7 +158,7 @@ def admit_waiting(
     """Admission of waiting slots (Scheduler.schedule phase 2), only in a step without preemption:
     the head of the (priority, arrival) order while there are sequences, budget and blocks for its
     chunk; they join the batch after the `nseq` running ones. Returns (stack top, next_run_order,
-    sequences, tokens, sample rows, any_random) after them."""
+    sequences, tokens, sample rows, sampler_index) after them."""
     offs_d = tl.arange(0, BLOCK_D)
     waiting = md & (st == SLOT.WAITING)
     pri_d = tl.load(slots.priority + offs_d, mask=md, other=0)
@@ -210,24 +214,23 @@ def admit_waiting(
     tl.store(step.query_start + bi_d, adm_qs, mask=adm)
     tl.store(step.context_lens + bi_d, adm_n, mask=adm)
     nseq += n_new
-    any_random = tl.maximum(any_random, _write_sample_rows(
+    sampler_index = tl.maximum(sampler_index, _write_sample_rows(
         adm_row >= 0, adm_row, offs_d, (adm_qs + adm_n - 1).to(tl.int64), slots, step,
     ))  # fmt: skip
-    return top, next_run_order, nseq, ntot, nsamp, any_random
+    return top, next_run_order, nseq, ntot, nsamp, sampler_index
 
 
 @triton.jit
 def _write_sample_rows(samples, row, slot, logits_row, slots, step):
     """Sample row `row` of each sampling sequence: which slot, which token row of the step, and the
-    slot's sampling parameters gathered so the sampler reads rows directly. Returns 1 if any row
-    samples at a temperature > 0."""
+    slot's sampling parameters gathered so the sampler reads rows directly. Returns the sampler
+    variant the rows need (kernels/sampling.py SAMPLER_*: ordered so the larger serves them all)."""
     temperature = tl.load(slots.temperature + slot, mask=samples, other=0.0)
+    top_k = tl.load(slots.top_k + slot, mask=samples, other=0)
     tl.store(step.sample_slot + row, slot, mask=samples)
     tl.store(step.sample_rows + row, logits_row, mask=samples)
     tl.store(step.row_temperature + row, temperature, mask=samples)
-    tl.store(
-        step.row_top_k + row, tl.load(slots.top_k + slot, mask=samples, other=0).to(tl.int64), mask=samples
-    )
+    tl.store(step.row_top_k + row, top_k.to(tl.int64), mask=samples)
     tl.store(step.row_top_p + row, tl.load(slots.top_p + slot, mask=samples, other=1.0), mask=samples)
     tl.store(step.row_min_p + row, tl.load(slots.min_p + slot, mask=samples, other=0.0), mask=samples)
     tl.store(step.row_seed + row, tl.load(slots.seed + slot, mask=samples, other=0), mask=samples)
@@ -235,4 +238,6 @@ def _write_sample_rows(samples, row, slot, logits_row, slots, step):
         slots.prompt_len + slot, mask=samples, other=0
     )
     tl.store(step.row_output_index + row, generated.to(tl.int64), mask=samples)
-    return (tl.sum((samples & (temperature > 0.0)).to(tl.int32), 0) > 0).to(tl.int32)
+    random = samples & (temperature > 0.0)
+    need = tl.where(random, tl.where(top_k > 0, _SAMPLER_FULL, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
+    return tl.max(need, 0)

@@ -14,7 +14,7 @@ _INT32_MAX = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def finish_step_tables(
-    nseq, ntot, nsamp, any_random, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
+    nseq, ntot, nsamp, sampler_index, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
     sampler_index_ptr,
     S: tl.constexpr, NUM_BUCKETS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr,
     BLOCK_NB: tl.constexpr,
@@ -46,7 +46,7 @@ def finish_step_tables(
     bucket = tl.sum(tl.where(offs_b == bucket_index, buckets, 0), 0)
     tl.store(step_num_tokens_ptr, ntot)
     tl.store(bucket_index_ptr, bucket_index)
-    tl.store(sampler_index_ptr, any_random)
+    tl.store(sampler_index_ptr, sampler_index)
     return bucket
 
 

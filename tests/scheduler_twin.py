@@ -24,6 +24,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from blink_appliance.kernels.sampling import SAMPLER_FULL, SAMPLER_GREEDY, SAMPLER_REJECTION  # noqa: E402
+
 from blink_appliance.engine.loop.scheduler import DeviceScheduler  # noqa: E402
 from blink_appliance.engine.loop.state import (  # noqa: E402
     COUNTER_INDEX,
@@ -252,7 +254,11 @@ class Twin:
             want_seed = seed if params.seed is not None else derived_seed(request_id)
             assert int(s.row_seed[row]) == want_seed
             assert int(s.row_output_index[row]) == output_index
-        assert int(s.sampler_index) == int(any(p.temperature > 0 for _, p, _, _ in ref.sampling))
+        need = [
+            SAMPLER_GREEDY if p.temperature == 0 else SAMPLER_FULL if p.top_k > 0 else SAMPLER_REJECTION
+            for _, p, _, _ in ref.sampling
+        ]
+        assert int(s.sampler_index) == max(need, default=SAMPLER_GREEDY)
 
     def _compare_state(self) -> None:
         s, sched = self.state, self.engine.scheduler

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from blink_appliance.bench.datasets import BenchRequest
-from blink_appliance.bench.load_generator import LoadConfig, run_load
+from blink_appliance.bench.load_generator import LoadConfig, request_body, run_load
 from blink_appliance.bench.serving_metrics import compute_metrics
 
 PAUSE_S = 0.06
@@ -218,3 +218,10 @@ async def test_token_id_prompts_are_refused_on_chat_before_sending():
     config = LoadConfig(base_url="http://127.0.0.1:9", model="m", endpoint="/v1/chat/completions")
     with pytest.raises(ValueError, match="/v1/completions"):
         await run_load([BenchRequest([1, 2, 3], 3, 2)], config)
+
+
+def test_top_p_is_sent_only_when_set():
+    req = BenchRequest([5, 6, 7], 3, 4)
+    assert "top_p" not in request_body(LoadConfig(base_url="http://x", model="m"), req)
+    body = request_body(LoadConfig(base_url="http://x", model="m", temperature=0.7, top_p=0.9), req)
+    assert body["top_p"] == 0.9 and body["temperature"] == 0.7 and body["prompt"] == [5, 6, 7]

@@ -80,7 +80,7 @@ def test_engine_body_is_schedule_bucket_switch_sampler_switch_commit():
     bucket_index, sampler_index = _i32(), _i32()
     body = engine_body(
         bucket_index=bucket_index, sampler_index=sampler_index, forward=Buckets(),
-        schedule=schedule, sample_greedy=greedy, sample_full=full, commit=commit,
+        schedule=schedule, samplers=(greedy, full), commit=commit,
     )  # fmt: skip
     assert body[0] is schedule and body[3] is commit
     bucket, sampler = body[1], body[2]

@@ -6,6 +6,7 @@ row, state.sampled with engine/sampler.sample() over the same logits and paramet
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+from blink_appliance.kernels.sampling import SAMPLER_FULL, SAMPLER_GREEDY, SAMPLER_REJECTION  # noqa: E402
 
 from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
 from blink_appliance.engine.loop.state import DeviceState, LoopGeometry  # noqa: E402
@@ -47,13 +50,23 @@ def reference(logits: torch.Tensor, params: list[SamplingParams], output_index: 
     return sample(logits.cpu(), st)
 
 
-def run_device(logits: torch.Tensor, params, output_index, **options) -> torch.Tensor:
+def variant_for(params: list[SamplingParams]) -> int:
+    """The variant schedule picks for these rows (kernels/schedule_batch.py)."""
+    need = [
+        SAMPLER_GREEDY if p.greedy else SAMPLER_FULL if p.top_k > 0 else SAMPLER_REJECTION for p in params
+    ]
+    return max(need)
+
+
+def run_device(
+    logits: torch.Tensor, params, output_index, variant: int = SAMPLER_FULL, **options
+) -> torch.Tensor:
     rows, vocab = logits.shape
     state = make_state(rows, vocab)
     load_rows(state, params, output_index)
     buf = logits.to(DEVICE).contiguous()
     sampler = DeviceSampler(state, buf, **options)
-    state.sampler_index.fill_(1)
+    state.sampler_index.fill_(variant)
     sampler.run()
     return state.sampled.cpu()
 
@@ -137,7 +150,7 @@ def test_greedy_variant_is_argmax_with_lowest_index_ties():
     state = make_state(6, 513)
     buf = logits.to(DEVICE)
     sampler = DeviceSampler(state, buf)
-    state.sampler_index.fill_(0)
+    state.sampler_index.fill_(SAMPLER_GREEDY)
     sampler.run()
     assert torch.equal(state.sampled.cpu(), logits.argmax(-1))
     assert state.sampled[1].item() == 3
@@ -230,3 +243,59 @@ def test_cost_at_llama3_vocab_and_64_rows(capsys):
         print(f"\nDeviceSampler at V={vocab}, S={rows} ({torch.cuda.get_device_name()}):")
         for name, us in timings.items():
             print(f"  {name:28s} {us:9.1f} us")
+
+
+def no_top_k(params: list[SamplingParams]) -> list[SamplingParams]:
+    return [dataclasses.replace(p, top_k=0) for p in params]
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 128)])
+def test_rejection_variant_equals_reference_without_top_k(vocab, chunk, rounds):
+    """Rows with temperature, top-p and min-p (the variant schedule picks when no row uses top-k): the
+    race-and-test rounds, and the per-row finisher after them, give the reference's tokens."""
+    gen = torch.Generator().manual_seed(vocab + rounds)
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::4] *= 0.05  # flat rows: the first winner is often outside a small nucleus
+    params = no_top_k(random_params(gen, rows, vocab))
+    assert variant_for(params) == SAMPLER_REJECTION
+    index = torch.randint(0, 500, (rows,), generator=gen).tolist()
+    got = run_device(logits, params, index, SAMPLER_REJECTION, rejection_chunk=chunk, rejection_rounds=rounds)
+    want = reference(logits, params, index)
+    assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
+
+
+def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():
+    """Integer logits (ties at the nucleus edge), nuclei of a few tokens over flat rows (many rejected
+    winners, so the finisher runs), min-p that rejects, argmax rows and unused rows in the same batch."""
+    gen = torch.Generator().manual_seed(17)
+    rows, vocab = 24, 700
+    logits = torch.randint(-4, 4, (rows, vocab), generator=gen).float()
+    logits[::3] = torch.randn(rows // 3, vocab, generator=gen) * 0.1
+    params = [
+        SamplingParams(
+            temperature=[1.0, 0.5, 0.0, 2.0][r % 4],
+            top_p=[0.999, 0.6, 1.0, 0.95, 0.01][r % 5],
+            min_p=[0.0, 1.0, 0.0, 0.02, 0.5][r % 5 - 1],
+            seed=2000 + r,
+        )
+        for r in range(rows)
+    ]
+    index = list(range(rows))
+    got = run_device(logits, params, index, SAMPLER_REJECTION, rejection_chunk=128, rejection_rounds=1)
+    assert torch.equal(got, reference(logits, params, index))
+    # Rows with sample_slot < 0 are argmax rows, whatever their parameters.
+    state = make_state(rows, vocab)
+    load_rows(state, params, index)
+    state.sample_slot[5:] = -1
+    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=128)
+    sampler.rejection()
+    assert torch.equal(state.sampled[5:].cpu(), logits[5:].argmax(-1))
+
+
+def test_variants_are_ordered_by_what_they_serve():
+    state = make_state(2, 64)
+    sampler = DeviceSampler(state, torch.zeros(2, 64, device=DEVICE))
+    assert sampler.variants() == (sampler.greedy, sampler.rejection, sampler.full)
+    assert SAMPLER_GREEDY < SAMPLER_REJECTION < SAMPLER_FULL

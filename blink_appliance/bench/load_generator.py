@@ -41,6 +41,7 @@ class LoadConfig:
     seed: int = 0
     ignore_eos: bool = True
     temperature: float = 0.0
+    top_p: float | None = None  # None: not sent (the server's default, 1.0 in the OpenAI API)
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -143,6 +144,8 @@ def request_body(config: LoadConfig, req: BenchRequest) -> dict[str, Any]:
     else:
         body["prompt"] = req.prompt
         body["max_tokens"] = req.output_len
+    if config.top_p is not None:
+        body["top_p"] = config.top_p
     if config.ignore_eos:
         body["ignore_eos"] = True  # a vLLM-style extension: output lengths exactly as asked
     return body

@@ -149,19 +149,19 @@ def engine_body(
     sampler_index: torch.Tensor,
     forward: BucketGraphs,
     schedule: Launch,
-    sample_greedy: Launch,
-    sample_full: Launch,
+    samplers: Sequence[Launch],
     commit: Launch,
 ) -> list[Segment]:
     """The engine iteration (docs/device_loop.md): schedule -> SWITCH bucket -> SWITCH sampler -> commit.
 
     bucket_index / sampler_index are DeviceState's: bucket_index = len(forward.buckets) runs no
-    forward; sampler_index 0 = greedy, 1 = full, 2 (or more) = no sampling.
+    forward; sampler_index i runs samplers[i] (DeviceSampler.variants(), kernels/sampling.py SAMPLER_*),
+    and a value past them runs none.
     """
     return [
         schedule,
         Switch("bucket", bucket_index, [[RawGraph(forward.raw_cuda_graph(T))] for T in forward.buckets]),
-        Switch("sampler", sampler_index, [[sample_greedy], [sample_full]]),
+        Switch("sampler", sampler_index, [[sample] for sample in samplers]),
         commit,
     ]
 

@@ -1,8 +1,10 @@
 """The GPU loop's sample step: DeviceState rows + the forward's logits -> state.sampled.
 
-Two capturable variants, chosen by state.sampler_index (a SWITCH in the loop's graph; host mode
-reads it): `greedy` (argmax of every row) and `full` (temperature, top-k, top-p, min-p, exponential
-race with the counter-based RNG). Both read GpuForward.logits [S, V] fp32 (row r = sample row r) and
+Three capturable variants, chosen by state.sampler_index (a SWITCH in the loop's graph; host mode
+reads it; schedule picks the cheapest that serves every row, kernels/sampling.py SAMPLER_*):
+`greedy` (argmax of every row), `rejection` (temperature, top-p, min-p: the exponential race with
+the counter-based RNG, without sorting; kernels/sampling_rejection.py) and `full` (the same and
+top-k). Both read GpuForward.logits [S, V] fp32 (row r = sample row r) and
 the row_* tensors schedule wrote, and write state.sampled [S] int64. Static shapes, no host sync, no
 allocation that depends on data: they run inside a CUDA graph. Rows with sample_slot < 0 are
 sampled greedily (their result is ignored by commit).
@@ -45,15 +47,27 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 
 from blink_appliance.engine.loop.state import DeviceState
-from blink_appliance.kernels.sampling import INT64_MAX, exact_cut, masked_logsumexp, race
+from blink_appliance.kernels.sampling import (
+    INT64_MAX,
+    SAMPLER_FULL,
+    SAMPLER_GREEDY,
+    SAMPLER_REJECTION,
+    exact_cut,
+    masked_logsumexp,
+    race,
+)
+from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, race_and_test
 
 CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
 RACE_CHUNK = 2048  # vocabulary entries per race program
+REJECTION_CHUNK = 1024  # vocabulary entries per program of the rejection variant's chunked passes
+REJECTION_ROUNDS = 2  # chunked race-and-test rounds before the per-row finisher (see `rejection`)
 
 
 def _interpreted() -> bool:
@@ -70,6 +84,8 @@ class DeviceSampler:
         *,
         candidates: int = CANDIDATES,
         race_chunk: int = RACE_CHUNK,
+        rejection_chunk: int = REJECTION_CHUNK,
+        rejection_rounds: int = REJECTION_ROUNDS,
     ) -> None:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32:
@@ -91,6 +107,10 @@ class DeviceSampler:
         self._part_score = torch.empty(rows, n_chunks, dtype=torch.float32, device=device)
         self._part_index = torch.empty(rows, n_chunks, dtype=torch.int64, device=device)
         self._lse = torch.empty(rows, dtype=torch.float32, device=device)
+        self.rejection_chunk = min(rejection_chunk, triton.next_power_of_2(vocab))
+        self.rejection_rounds = rejection_rounds
+        self._rejection = RejectionRows.allocate(rows, triton.cdiv(vocab, self.rejection_chunk), device)
+        self._random = torch.zeros(rows, dtype=torch.int32, device=device)
 
     # -- the two variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
@@ -145,12 +165,31 @@ class DeviceSampler:
         best = self._part_score.argmax(dim=-1, keepdim=True)  # first (lowest) chunk among equal scores
         st.sampled.copy_(self._part_index.gather(1, best)[:, 0])
 
+    def rejection(self) -> None:
+        """Rows without top-k: race the row, test the winner against min-p and top-p, and race again
+        before it while it is not kept (kernels/sampling_rejection.py). One pass of reading when the
+        first winner is kept, which a top-p row's is with probability >= top_p."""
+        st = self.state
+        torch.logical_and(st.sample_slot >= 0, st.row_temperature > 0, out=self._random)
+        rows = SampleRows(
+            random=self._random, temperature=st.row_temperature, top_p=st.row_top_p, min_p=st.row_min_p,
+            seed=st.row_seed, output_index=st.row_output_index,
+        )  # fmt: skip
+        race_and_test(
+            self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
+            rounds=self.rejection_rounds, precise=self.precise,
+        )  # fmt: skip
+
+    def variants(self) -> tuple[Callable[[], None], ...]:
+        """The variants by sampler_index (kernels/sampling.py SAMPLER_*)."""
+        by_index = {SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection, SAMPLER_FULL: self.full}
+        return tuple(by_index[i] for i in range(len(by_index)))
+
     # -- host mode ----------------------------------------------------------------------------------
     def run(self) -> None:
         """Host-driven: read sampler_index (a sync) and run that variant; other values run none, as
         the loop's SWITCH does."""
         index = int(self.state.sampler_index[0])
-        if index == 0:
-            self.greedy()
-        elif index == 1:
-            self.full()
+        variants = self.variants()
+        if 0 <= index < len(variants):
+            variants[index]()

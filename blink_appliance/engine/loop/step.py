@@ -5,7 +5,7 @@
 
 `LoopStep` owns the loop's state (DeviceState) and the four parts, all bound to the same tensors.
 The pieces are what the device loop's graph captures (engine/loop/graph.py `engine_body`, via
-`body()`): `schedule`, `sample_greedy`, `sample_full` and `commit` launch device work on the current
+`body()`): `schedule`, the sampler's variants and `commit` launch device work on the current
 stream with no host sync; the forward enters the graph as ForwardGraphs' per-bucket graphs.
 `host_step()` runs the same pieces for one iteration driven from the host (engine.mode = "host", and
 the CPU harness): it reads bucket_index and sampler_index back to choose the branches, as the
@@ -142,12 +142,6 @@ class LoopStep:
     def schedule(self) -> None:
         self.scheduler.launch()
 
-    def sample_greedy(self) -> None:
-        self.sampler.greedy()
-
-    def sample_full(self) -> None:
-        self.sampler.full()
-
     def commit(self) -> None:
         self.committer.launch()
 
@@ -165,8 +159,8 @@ class LoopStep:
             raise RuntimeError("the device loop's body needs captured forward graphs (build on CUDA)")
         return engine_body(
             bucket_index=self.state.bucket_index, sampler_index=self.state.sampler_index,
-            forward=self.graphs, schedule=self.schedule, sample_greedy=self.sample_greedy,
-            sample_full=self.sample_full, commit=self.commit,
+            forward=self.graphs, schedule=self.schedule, samplers=self.sampler.variants(),
+            commit=self.commit,
         )  # fmt: skip
 
     # -- host-driven pieces (they read the SWITCH values back: a sync each) ------------------------------
@@ -179,7 +173,7 @@ class LoopStep:
         return True
 
     def sample(self) -> None:
-        """Run the variant schedule chose (0 greedy, 1 full; other values: none, as the SWITCH)."""
+        """Run the variant schedule chose (DeviceSampler.variants(); other values: none, as the SWITCH)."""
         self.sampler.run()
 
     def host_step(self) -> None:
@@ -198,5 +192,5 @@ class LoopStep:
         if self.state.keep_running.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             self.scheduler.compile()
         self.committer.compile()
-        self.sampler.greedy()
-        self.sampler.full()
+        for variant in self.sampler.variants():
+            variant()

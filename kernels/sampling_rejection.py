@@ -1,0 +1,369 @@
+"""Triton kernels of the device sampler's rejection variant (engine/loop/sampler.py `rejection`): the
+exponential race over a row's kept tokens without sorting it, for rows with top-p, min-p and
+temperature but no top-k.
+
+The kept set of such a row is a prefix of the row in (value descending, index ascending) order, so
+the race winner over the kept set is found by racing over a *region* that holds it:
+
+- race every token of the region (chunked over the vocabulary; `race_region`, then `pick`);
+- test the winner w: min-p (x_w >= max + log(min_p)) and top-p (the mass ranked before w is < top_p;
+  `mass_ahead`, then `decide`);
+- if w is kept it is the answer, since the kept set lies inside the region; otherwise every kept
+  token ranks before w, so the region shrinks to the tokens ranked before w and the race runs again.
+
+The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
+state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
+bound_i), 2 top-p test of the candidate pending. After the chunked rounds, `finish` loops the rare
+rows still undecided, one program per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from blink_appliance.kernels.sampling import GAMMA, _exp, _log, _mix
+from triton.language.extra import libdevice
+
+DONE, RACE, TEST = 0, 1, 2
+FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
+
+
+@dataclass
+class RejectionRows:
+    """Per-row state and per-chunk partials of the rejection variant (allocated once, reused)."""
+
+    status: torch.Tensor  # [S] int32
+    bound_x: torch.Tensor  # [S] fp32: the region is the tokens ranked before (bound_x, bound_i)
+    bound_i: torch.Tensor  # [S] int64
+    row_max: torch.Tensor  # [S] fp32: max of x
+    row_lse: torch.Tensor  # [S] fp32: logsumexp of x (the nucleus's normaliser)
+    candidate: torch.Tensor  # [S] int64: the winner under test
+    part_score: torch.Tensor  # [S, C] fp32
+    part_index: torch.Tensor  # [S, C] int64
+    part_max: torch.Tensor  # [S, C] fp32
+    part_sum: torch.Tensor  # [S, C] fp32: sum of exp(x - part_max) over the chunk
+
+    @classmethod
+    def allocate(cls, rows: int, chunks: int, device: torch.device) -> RejectionRows:
+        def f32(*shape):
+            return torch.zeros(*shape, dtype=torch.float32, device=device)
+
+        def i64(*shape):
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        return cls(
+            status=torch.zeros(rows, dtype=torch.int32, device=device), bound_x=f32(rows), bound_i=i64(rows),
+            row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), part_score=f32(rows, chunks),
+            part_index=i64(rows, chunks), part_max=f32(rows, chunks), part_sum=f32(rows, chunks),
+        )  # fmt: skip
+
+
+@dataclass
+class SampleRows:
+    """The sampler's inputs per row, as schedule wrote them (DeviceState's row_* tensors)."""
+
+    random: torch.Tensor  # [S] int32: 1 = sampled at a temperature, 0 = argmax
+    temperature: torch.Tensor  # [S] fp32
+    top_p: torch.Tensor  # [S] fp32
+    min_p: torch.Tensor  # [S] fp32
+    seed: torch.Tensor  # [S] int64
+    output_index: torch.Tensor  # [S] int64
+
+
+@triton.jit
+def _scaled(logits, temperature, PRECISE: tl.constexpr):
+    """logits / temperature, rounded as torch and the reference round it (IEEE division)."""
+    if PRECISE:
+        return libdevice.div_rn(logits, temperature)
+    else:
+        return logits / temperature
+
+
+@triton.jit
+def _ahead(x, idx, bound_x, bound_i):
+    """Tokens ranked before (bound_x, bound_i) in (value descending, index ascending) order."""
+    return (x > bound_x) | ((x == bound_x) & (idx.to(tl.int64) < bound_i))
+
+
+@triton.jit
+def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
+    """The race's score x - log(-log(u)), u the counter hash of (seed, output index, token)."""
+    key = _mix(seed.to(tl.uint64) + (out_index.to(tl.uint64) + 1) * GAMMA)
+    bits = _mix(key + (idx.to(tl.uint64) + 1) * GAMMA)
+    u = ((bits >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return x - _log(-_log(u, PRECISE), PRECISE)
+
+
+@triton.jit
+def _race_region_kernel(
+    logits_ptr, stride, random_ptr, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr, status_ptr,
+    bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V,
+    n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Per (row, chunk): the best race score in the row's region; the first round also writes the
+    chunk's max and sum of exp(x - max) for the row's logsumexp. Argmax rows race on the raw logits."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    if FIRST or tl.load(status_ptr + r) == 1:
+        idx = c * CHUNK + tl.arange(0, CHUNK)
+        inb = idx < V
+        raw = tl.load(logits_ptr + r.to(tl.int64) * stride + idx, mask=inb, other=float("-inf"))
+        out = r * n_chunks + c
+        if tl.load(random_ptr + r) != 0:
+            x = _scaled(raw, tl.load(temperature_ptr + r), PRECISE)
+            x = tl.where(inb, x, float("-inf"))
+            if FIRST:
+                hi = tl.max(x, 0)
+                tl.store(part_max_ptr + out, hi)
+                tl.store(part_sum_ptr + out, tl.sum(tl.where(inb, _exp(x - hi, PRECISE), 0.0), 0))
+                region = inb
+            else:
+                region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
+                floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
+                region = region & (x >= floor)
+            best = tl.full([], float("-inf"), tl.float32)
+            best_index = c * CHUNK
+            if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
+                seed = tl.load(seed_ptr + r)
+                score = _gumbel(x, idx, seed, tl.load(out_index_ptr + r), PRECISE)
+                score = tl.where(region, score, float("-inf"))
+                best = tl.max(score, 0)
+                best_index = c * CHUNK + tl.argmax(score, 0)
+        else:
+            best = tl.max(raw, 0)
+            best_index = c * CHUNK + tl.argmax(raw, 0)
+        tl.store(part_score_ptr + out, best)
+        tl.store(part_index_ptr + out, best_index.to(tl.int64))
+
+
+@triton.jit
+def _min_p_floor(row_max, min_p, PRECISE: tl.constexpr):
+    """min-p keeps x >= max + log(min_p) (log 0 = -inf keeps all)."""
+    return tl.where(min_p > 0.0, row_max + _log(tl.maximum(min_p, 1e-38), PRECISE), float("-inf"))
+
+
+@triton.jit
+def _verdict(x_w, row_max, min_p, top_p, PRECISE: tl.constexpr):
+    """After a race, the winner's next status: RACE again if min-p rejects it (the region shrinks
+    to the tokens ranked before it and, once the max is known, to min-p's), TEST if top-p still has
+    to test it, else DONE (kept)."""
+    return tl.where(x_w < _min_p_floor(row_max, min_p, PRECISE), 1, tl.where(top_p < 1.0, 2, 0))
+
+
+@triton.jit
+def _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr):
+    tl.store(status_ptr + r, status)
+    if status == 0:
+        tl.store(sampled_ptr + r, w)
+    elif status == 1:
+        tl.store(bound_x_ptr + r, x_w)
+        tl.store(bound_i_ptr + r, w)
+    else:
+        tl.store(candidate_ptr + r, w)
+
+
+@triton.jit
+def _pick_kernel(
+    logits_ptr, stride, random_ptr, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+    bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr,
+    part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Per row: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
+    min-p test. The first round also sets the row's max and logsumexp."""
+    r = tl.program_id(0)
+    if FIRST or tl.load(status_ptr + r) == 1:
+        offs = tl.arange(0, BLOCK_C)
+        m = offs < n_chunks
+        scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
+        best = tl.argmax(scores, 0)
+        w = tl.load(part_index_ptr + r * n_chunks + best)
+        if tl.load(random_ptr + r) == 0:
+            tl.store(sampled_ptr + r, w)
+            tl.store(status_ptr + r, 0)
+        else:
+            if FIRST:
+                part_max = tl.load(part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
+                part_sum = tl.load(part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0)
+                hi = tl.max(part_max, 0)
+                total = tl.sum(
+                    tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0), 0
+                )
+                tl.store(row_max_ptr + r, hi)
+                tl.store(row_lse_ptr + r, hi + _log(total, PRECISE))
+                tl.store(bound_x_ptr + r, float("inf"))
+                tl.store(bound_i_ptr + r, 9223372036854775807)
+            if tl.max(scores, 0) == float("-inf"):  # an empty region (NaN logits): keep the winner
+                tl.store(sampled_ptr + r, w)
+                tl.store(status_ptr + r, 0)
+            else:
+                raw = tl.load(logits_ptr + r.to(tl.int64) * stride + w)
+                x_w = _scaled(raw, tl.load(temperature_ptr + r), PRECISE)
+                status = _verdict(x_w, tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), tl.load(top_p_ptr + r),
+                                  PRECISE)  # fmt: skip
+                _store_verdict(
+                    r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr
+                )
+
+
+@triton.jit
+def _mass_ahead_kernel(
+    logits_ptr, stride, temperature_ptr, status_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Per (row, chunk) of rows under the top-p test: the probability mass ranked before the candidate."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    if tl.load(status_ptr + r) == 2:
+        row = logits_ptr + r.to(tl.int64) * stride
+        t = tl.load(temperature_ptr + r)
+        w = tl.load(candidate_ptr + r)
+        x_w = _scaled(tl.load(row + w), t, PRECISE)
+        idx = c * CHUNK + tl.arange(0, CHUNK)
+        inb = idx < V
+        x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+        ahead = inb & _ahead(x, idx, x_w, w)
+        q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
+        tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
+
+
+@triton.jit
+def _decide_kernel(
+    logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
+    candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Per row under the top-p test: keep the candidate if the mass before it is < top_p, else shrink."""
+    r = tl.program_id(0)
+    if tl.load(status_ptr + r) == 2:
+        offs = tl.arange(0, BLOCK_C)
+        mass = tl.sum(tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0), 0)
+        w = tl.load(candidate_ptr + r)
+        if mass < tl.load(top_p_ptr + r):
+            tl.store(sampled_ptr + r, w)
+            tl.store(status_ptr + r, 0)
+        else:
+            raw = tl.load(logits_ptr + r.to(tl.int64) * stride + w)
+            tl.store(bound_x_ptr + r, _scaled(raw, tl.load(temperature_ptr + r), PRECISE))
+            tl.store(bound_i_ptr + r, w)
+            tl.store(status_ptr + r, 1)
+
+
+@triton.jit
+def _finish_kernel(
+    logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr,
+    status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, V,
+    BLOCK: tl.constexpr, CAP: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """One program per row still undecided: race and test over the whole row until a winner is kept.
+    The row's state stays in registers; only the kept token is written."""
+    r = tl.program_id(0)
+    status = tl.load(status_ptr + r)
+    if status != 0:
+        row = logits_ptr + r.to(tl.int64) * stride
+        t = tl.load(temperature_ptr + r)
+        top_p = tl.load(top_p_ptr + r)
+        min_p = tl.load(min_p_ptr + r)
+        row_max = tl.load(row_max_ptr + r)
+        floor = _min_p_floor(row_max, min_p, PRECISE)
+        lse = tl.load(row_lse_ptr + r)
+        seed = tl.load(seed_ptr + r)
+        out_index = tl.load(out_index_ptr + r)
+        bx = tl.load(bound_x_ptr + r)
+        bi = tl.load(bound_i_ptr + r)
+        w = tl.load(candidate_ptr + r)
+        offs = tl.arange(0, BLOCK)
+        iters = 0
+        while (status != 0) & (iters < CAP):
+            if status == 1:
+                best = tl.full([], float("-inf"), tl.float32)
+                w = tl.full([], 0, tl.int64)
+                for start in range(0, V, BLOCK):
+                    idx = start + offs
+                    inb = idx < V
+                    x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+                    region = inb & _ahead(x, idx, bx, bi) & (x >= floor)
+                    score = tl.where(region, _gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
+                    chunk_best = tl.max(score, 0)
+                    better = chunk_best > best  # strictly: an earlier chunk keeps a tie
+                    w = tl.where(better, start + tl.argmax(score, 0).to(tl.int64), w)
+                    best = tl.maximum(best, chunk_best)
+                x_w = _scaled(tl.load(row + w), t, PRECISE)
+                status = tl.where(best == float("-inf"), 0, _verdict(x_w, row_max, min_p, top_p, PRECISE))
+                bx = tl.where(status == 1, x_w, bx)
+                bi = tl.where(status == 1, w, bi)
+            else:
+                x_w = _scaled(tl.load(row + w), t, PRECISE)
+                mass = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, V, BLOCK):
+                    idx = start + offs
+                    inb = idx < V
+                    x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+                    mass += tl.where(inb & _ahead(x, idx, x_w, w), _exp(x - lse, PRECISE), 0.0)
+                status = tl.where(tl.sum(mass, 0) < top_p, 0, 1)
+                bx = tl.where(status == 1, x_w, bx)
+                bi = tl.where(status == 1, w, bi)
+            iters += 1
+        if status != 0:  # past the cap: the row's first token, which every filter keeps
+            top = tl.full([], float("-inf"), tl.float32)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                x = _scaled(tl.load(row + idx, mask=idx < V, other=0.0), t, PRECISE)
+                x = tl.where(idx < V, x, float("-inf"))
+                better = tl.max(x, 0) > top
+                w = tl.where(better, start + tl.argmax(x, 0).to(tl.int64), w)
+                top = tl.maximum(top, tl.max(x, 0))
+        tl.store(sampled_ptr + r, w)
+        tl.store(status_ptr + r, 0)
+
+
+def race_and_test(
+    logits: torch.Tensor,
+    rows: SampleRows,
+    state: RejectionRows,
+    sampled: torch.Tensor,
+    *,
+    chunk: int,
+    rounds: int,
+    precise: bool,
+    finish_block: int = 2048,
+) -> None:
+    """sampled[r] = the race winner over row r's kept tokens: `rounds` chunked race-and-test rounds
+    over all rows, then `finish` for any row still undecided. Capturable: no host sync."""
+    S, V = logits.shape
+    C = state.part_score.shape[1]
+    if C != triton.cdiv(V, chunk):
+        raise ValueError(
+            f"partials have {C} chunks; vocab {V} in chunks of {chunk} needs {triton.cdiv(V, chunk)}"
+        )
+    if rounds < 1:
+        raise ValueError("the rejection sampler needs at least one chunked round (it sets max and logsumexp)")
+    block_c = triton.next_power_of_2(C)
+    part_mass = state.part_sum  # the first round's sums are folded into row_lse before any test
+    for round_ in range(rounds):
+        first = round_ == 0
+        _race_region_kernel[(S, C)](
+            logits, logits.stride(0), rows.random, rows.temperature, rows.min_p, rows.seed, rows.output_index,
+            state.status, state.bound_x, state.bound_i, state.row_max, state.part_score, state.part_index,
+            state.part_max, state.part_sum, V, C, CHUNK=chunk, FIRST=first, PRECISE=precise, num_warps=4,
+        )  # fmt: skip
+        _pick_kernel[(S,)](
+            logits, logits.stride(0), rows.random, rows.temperature, rows.top_p, rows.min_p, sampled,
+            state.status, state.bound_x, state.bound_i, state.candidate, state.row_max, state.row_lse,
+            state.part_score, state.part_index, state.part_max, state.part_sum, C, BLOCK_C=block_c,
+            FIRST=first, PRECISE=precise, num_warps=1,
+        )  # fmt: skip
+        _mass_ahead_kernel[(S, C)](
+            logits, logits.stride(0), rows.temperature, state.status, state.candidate, state.row_lse,
+            part_mass, V, C, CHUNK=chunk, PRECISE=precise, num_warps=4,
+        )  # fmt: skip
+        _decide_kernel[(S,)](
+            logits, logits.stride(0), rows.temperature, rows.top_p, sampled, state.status, state.bound_x,
+            state.bound_i, state.candidate, part_mass, C, BLOCK_C=block_c, PRECISE=precise, num_warps=1,
+        )  # fmt: skip
+    _finish_kernel[(S,)](
+        logits, logits.stride(0), rows.temperature, rows.top_p, rows.min_p, rows.seed, rows.output_index,
+        sampled, state.status, state.bound_x, state.bound_i, state.candidate, state.row_max, state.row_lse,
+        V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP, PRECISE=precise, num_warps=8,
+    )  # fmt: skip
