@@ -65,8 +65,8 @@ class RejectionRows:
 class SampleRows:
     """The sampler's inputs per row, as schedule wrote them (DeviceState's row_* tensors)."""
 
-    random: torch.Tensor  # [S] int32: 1 = sampled at a temperature, 0 = argmax
-    temperature: torch.Tensor  # [S] fp32
+    n_rows: torch.Tensor  # [1] int32: rows [0, n_rows) are the step's; the rest are not touched
+    temperature: torch.Tensor  # [S] fp32: <= 0 is an argmax row
     top_p: torch.Tensor  # [S] fp32
     min_p: torch.Tensor  # [S] fp32
     seed: torch.Tensor  # [S] int64
@@ -98,45 +98,59 @@ def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _race_region_kernel(
-    logits_ptr, stride, random_ptr, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr, status_ptr,
-    bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V,
-    n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, PRECISE: tl.constexpr,
+def _race_chunk(
+    r, c, logits_ptr, stride, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
+    row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, chunk): the best race score in the row's region; the first round also writes the
+    """Chunk c of row r: the best race score in the row's region; the first round also writes the
     chunk's max and sum of exp(x - max) for the row's logsumexp. Argmax rows race on the raw logits."""
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    if FIRST or tl.load(status_ptr + r) == 1:
-        idx = c * CHUNK + tl.arange(0, CHUNK)
-        inb = idx < V
-        raw = tl.load(logits_ptr + r.to(tl.int64) * stride + idx, mask=inb, other=float("-inf"))
-        out = r * n_chunks + c
-        if tl.load(random_ptr + r) != 0:
-            x = _scaled(raw, tl.load(temperature_ptr + r), PRECISE)
-            x = tl.where(inb, x, float("-inf"))
-            if FIRST:
-                hi = tl.max(x, 0)
-                tl.store(part_max_ptr + out, hi)
-                tl.store(part_sum_ptr + out, tl.sum(tl.where(inb, _exp(x - hi, PRECISE), 0.0), 0))
-                region = inb
-            else:
-                region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
-                floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
-                region = region & (x >= floor)
-            best = tl.full([], float("-inf"), tl.float32)
-            best_index = c * CHUNK
-            if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
-                seed = tl.load(seed_ptr + r)
-                score = _gumbel(x, idx, seed, tl.load(out_index_ptr + r), PRECISE)
-                score = tl.where(region, score, float("-inf"))
-                best = tl.max(score, 0)
-                best_index = c * CHUNK + tl.argmax(score, 0)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    inb = idx < V
+    raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + idx, mask=inb, other=float("-inf"))
+    out = r * n_chunks + c
+    t = tl.load(temperature_ptr + r)
+    if ARGMAX or t <= 0.0:
+        best = tl.max(raw, 0)
+        best_index = c * CHUNK + tl.argmax(raw, 0)
+    else:
+        x = tl.where(inb, _scaled(raw, t, PRECISE), float("-inf"))
+        if FIRST:
+            hi = tl.max(x, 0)
+            tl.store(part_max_ptr + out, hi)
+            tl.store(part_sum_ptr + out, tl.sum(tl.where(inb, _exp(x - hi, PRECISE), 0.0), 0))
+            region = inb
         else:
-            best = tl.max(raw, 0)
-            best_index = c * CHUNK + tl.argmax(raw, 0)
-        tl.store(part_score_ptr + out, best)
-        tl.store(part_index_ptr + out, best_index.to(tl.int64))
+            region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
+            floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
+            region = region & (x >= floor)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_index = c * CHUNK
+        if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
+            score = _gumbel(x, idx, tl.load(seed_ptr + r), tl.load(out_index_ptr + r), PRECISE)
+            score = tl.where(region, score, float("-inf"))
+            best = tl.max(score, 0)
+            best_index = c * CHUNK + tl.argmax(score, 0)
+    tl.store(part_score_ptr + out, best)
+    tl.store(part_index_ptr + out, best_index.to(tl.int64))
+
+
+@triton.jit
+def _race_region_kernel(
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr, status_ptr,
+    bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V,
+    n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Persistent over the (row, chunk) items of the step's rows: rows past n_rows cost nothing."""
+    n_items = tl.load(n_rows_ptr) * n_chunks
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        r = item // n_chunks
+        if FIRST or tl.load(status_ptr + r) == 1:
+            _race_chunk(
+                r, item % n_chunks, logits_ptr, stride, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST, ARGMAX, PRECISE,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -166,102 +180,116 @@ def _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, boun
 
 
 @triton.jit
-def _pick_kernel(
-    logits_ptr, stride, random_ptr, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
-    bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr,
-    part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, PRECISE: tl.constexpr,
+def _pick_row(
+    r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+    bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+    part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Per row: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
+    """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
     min-p test. The first round also sets the row's max and logsumexp."""
-    r = tl.program_id(0)
-    if FIRST or tl.load(status_ptr + r) == 1:
-        offs = tl.arange(0, BLOCK_C)
-        m = offs < n_chunks
-        scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
-        best = tl.argmax(scores, 0)
-        w = tl.load(part_index_ptr + r * n_chunks + best)
-        if tl.load(random_ptr + r) == 0:
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < n_chunks
+    scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
+    w = tl.load(part_index_ptr + r * n_chunks + tl.argmax(scores, 0))
+    t = tl.load(temperature_ptr + r)
+    if ARGMAX or t <= 0.0:
+        tl.store(sampled_ptr + r, w)
+        tl.store(status_ptr + r, 0)
+    else:
+        if FIRST:
+            part_max = tl.load(part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
+            part_sum = tl.load(part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0)
+            hi = tl.max(part_max, 0)
+            total = tl.sum(tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0), 0)
+            tl.store(row_max_ptr + r, hi)
+            tl.store(row_lse_ptr + r, hi + _log(total, PRECISE))
+            tl.store(bound_x_ptr + r, float("inf"))
+            tl.store(bound_i_ptr + r, 9223372036854775807)
+        if tl.max(scores, 0) == float("-inf"):  # an empty region (NaN logits): keep the winner
             tl.store(sampled_ptr + r, w)
             tl.store(status_ptr + r, 0)
         else:
-            if FIRST:
-                part_max = tl.load(part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
-                part_sum = tl.load(part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0)
-                hi = tl.max(part_max, 0)
-                total = tl.sum(
-                    tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0), 0
-                )
-                tl.store(row_max_ptr + r, hi)
-                tl.store(row_lse_ptr + r, hi + _log(total, PRECISE))
-                tl.store(bound_x_ptr + r, float("inf"))
-                tl.store(bound_i_ptr + r, 9223372036854775807)
-            if tl.max(scores, 0) == float("-inf"):  # an empty region (NaN logits): keep the winner
-                tl.store(sampled_ptr + r, w)
-                tl.store(status_ptr + r, 0)
-            else:
-                raw = tl.load(logits_ptr + r.to(tl.int64) * stride + w)
-                x_w = _scaled(raw, tl.load(temperature_ptr + r), PRECISE)
-                status = _verdict(x_w, tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), tl.load(top_p_ptr + r),
-                                  PRECISE)  # fmt: skip
-                _store_verdict(
-                    r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr
-                )
+            x_w = _scaled(tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), t, PRECISE)
+            status = _verdict(x_w, tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), tl.load(top_p_ptr + r),
+                              PRECISE)  # fmt: skip
+            _store_verdict(
+                r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr
+            )
+
+
+@triton.jit
+def _pick_kernel(
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+    bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr,
+    part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
+    PRECISE: tl.constexpr,
+):  # fmt: skip
+    for r in range(tl.program_id(0), tl.load(n_rows_ptr), tl.num_programs(0)):
+        if FIRST or tl.load(status_ptr + r) == 1:
+            _pick_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST, ARGMAX, PRECISE,
+            )  # fmt: skip
 
 
 @triton.jit
 def _mass_ahead_kernel(
-    logits_ptr, stride, temperature_ptr, status_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V, n_chunks,
-    CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, status_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr,
+    V, n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Per (row, chunk) of rows under the top-p test: the probability mass ranked before the candidate."""
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    if tl.load(status_ptr + r) == 2:
-        row = logits_ptr + r.to(tl.int64) * stride
-        t = tl.load(temperature_ptr + r)
-        w = tl.load(candidate_ptr + r)
-        x_w = _scaled(tl.load(row + w), t, PRECISE)
-        idx = c * CHUNK + tl.arange(0, CHUNK)
-        inb = idx < V
-        x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
-        ahead = inb & _ahead(x, idx, x_w, w)
-        q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
-        tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
+    n_items = tl.load(n_rows_ptr) * n_chunks
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        r = item // n_chunks
+        c = item % n_chunks
+        if tl.load(status_ptr + r) == 2:
+            row = logits_ptr + tl.cast(r, tl.int64) * stride
+            t = tl.load(temperature_ptr + r)
+            w = tl.load(candidate_ptr + r)
+            x_w = _scaled(tl.load(row + w), t, PRECISE)
+            idx = c * CHUNK + tl.arange(0, CHUNK)
+            inb = idx < V
+            x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+            ahead = inb & _ahead(x, idx, x_w, w)
+            q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
+            tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
 
 
 @triton.jit
 def _decide_kernel(
-    logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
-    candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+    bound_i_ptr, candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Per row under the top-p test: keep the candidate if the mass before it is < top_p, else shrink."""
-    r = tl.program_id(0)
-    if tl.load(status_ptr + r) == 2:
-        offs = tl.arange(0, BLOCK_C)
-        mass = tl.sum(tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0), 0)
-        w = tl.load(candidate_ptr + r)
-        if mass < tl.load(top_p_ptr + r):
-            tl.store(sampled_ptr + r, w)
-            tl.store(status_ptr + r, 0)
-        else:
-            raw = tl.load(logits_ptr + r.to(tl.int64) * stride + w)
-            tl.store(bound_x_ptr + r, _scaled(raw, tl.load(temperature_ptr + r), PRECISE))
-            tl.store(bound_i_ptr + r, w)
-            tl.store(status_ptr + r, 1)
+    for r in range(tl.program_id(0), tl.load(n_rows_ptr), tl.num_programs(0)):
+        if tl.load(status_ptr + r) == 2:
+            offs = tl.arange(0, BLOCK_C)
+            mass = tl.sum(tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0), 0)
+            w = tl.load(candidate_ptr + r)
+            if mass < tl.load(top_p_ptr + r):
+                tl.store(sampled_ptr + r, w)
+                tl.store(status_ptr + r, 0)
+            else:
+                raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w)
+                tl.store(bound_x_ptr + r, _scaled(raw, tl.load(temperature_ptr + r), PRECISE))
+                tl.store(bound_i_ptr + r, w)
+                tl.store(status_ptr + r, 1)
 
 
 @triton.jit
 def _finish_kernel(
-    logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr,
-    status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, V,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, V,
     BLOCK: tl.constexpr, CAP: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """One program per row still undecided: race and test over the whole row until a winner is kept.
     The row's state stays in registers; only the kept token is written."""
     r = tl.program_id(0)
-    status = tl.load(status_ptr + r)
+    status = tl.load(status_ptr + r, mask=r < tl.load(n_rows_ptr), other=0)  # rows past n_rows: stale
     if status != 0:
-        row = logits_ptr + r.to(tl.int64) * stride
+        row = logits_ptr + tl.cast(r, tl.int64) * stride
         t = tl.load(temperature_ptr + r)
         top_p = tl.load(top_p_ptr + r)
         min_p = tl.load(min_p_ptr + r)
@@ -318,6 +346,29 @@ def _finish_kernel(
         tl.store(status_ptr + r, 0)
 
 
+def _persistent(items: int, programs: int) -> int:
+    return max(1, min(items, programs))
+
+
+def argmax_rows(logits: torch.Tensor, n_rows: torch.Tensor, state: RejectionRows, sampled: torch.Tensor, *,
+                chunk: int, programs: int) -> None:  # fmt: skip
+    """sampled[r] = argmax of logits row r (ties: lowest index) for r < n_rows: chunked, so one row
+    reads at full bandwidth, and rows past n_rows cost nothing. Capturable."""
+    S, V = logits.shape
+    C = state.part_score.shape[1]
+    unused = state.row_max  # ARGMAX reads no temperature, bound or partial sums
+    _race_region_kernel[(_persistent(S * C, programs),)](
+        logits, logits.stride(0), n_rows, unused, unused, unused, unused, state.status, unused, unused,
+        unused, state.part_score, state.part_index, unused, unused, V, C, CHUNK=chunk, FIRST=True,
+        ARGMAX=True, PRECISE=False, num_warps=4,
+    )  # fmt: skip
+    _pick_kernel[(_persistent(S, programs),)](
+        logits, logits.stride(0), n_rows, unused, unused, unused, sampled, state.status, unused, unused,
+        unused, unused, unused, state.part_score, state.part_index, unused, unused, C,
+        BLOCK_C=triton.next_power_of_2(C), FIRST=True, ARGMAX=True, PRECISE=False, num_warps=1,
+    )  # fmt: skip
+
+
 def race_and_test(
     logits: torch.Tensor,
     rows: SampleRows,
@@ -326,11 +377,12 @@ def race_and_test(
     *,
     chunk: int,
     rounds: int,
+    programs: int,
     precise: bool,
     finish_block: int = 2048,
 ) -> None:
-    """sampled[r] = the race winner over row r's kept tokens: `rounds` chunked race-and-test rounds
-    over all rows, then `finish` for any row still undecided. Capturable: no host sync."""
+    """sampled[r] = the race winner over row r's kept tokens, r < n_rows: `rounds` chunked
+    race-and-test rounds, then `finish` for any row still undecided. Capturable: no host sync."""
     S, V = logits.shape
     C = state.part_score.shape[1]
     if C != triton.cdiv(V, chunk):
@@ -340,30 +392,34 @@ def race_and_test(
     if rounds < 1:
         raise ValueError("the rejection sampler needs at least one chunked round (it sets max and logsumexp)")
     block_c = triton.next_power_of_2(C)
+    chunk_grid, row_grid = (_persistent(S * C, programs),), (_persistent(S, programs),)
     part_mass = state.part_sum  # the first round's sums are folded into row_lse before any test
     for round_ in range(rounds):
         first = round_ == 0
-        _race_region_kernel[(S, C)](
-            logits, logits.stride(0), rows.random, rows.temperature, rows.min_p, rows.seed, rows.output_index,
+        _race_region_kernel[chunk_grid](
+            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.min_p, rows.seed, rows.output_index,
             state.status, state.bound_x, state.bound_i, state.row_max, state.part_score, state.part_index,
-            state.part_max, state.part_sum, V, C, CHUNK=chunk, FIRST=first, PRECISE=precise, num_warps=4,
+            state.part_max, state.part_sum, V, C, CHUNK=chunk, FIRST=first, ARGMAX=False, PRECISE=precise,
+            num_warps=4,
         )  # fmt: skip
-        _pick_kernel[(S,)](
-            logits, logits.stride(0), rows.random, rows.temperature, rows.top_p, rows.min_p, sampled,
+        _pick_kernel[row_grid](
+            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, sampled,
             state.status, state.bound_x, state.bound_i, state.candidate, state.row_max, state.row_lse,
             state.part_score, state.part_index, state.part_max, state.part_sum, C, BLOCK_C=block_c,
-            FIRST=first, PRECISE=precise, num_warps=1,
+            FIRST=first, ARGMAX=False, PRECISE=precise, num_warps=1,
         )  # fmt: skip
-        _mass_ahead_kernel[(S, C)](
-            logits, logits.stride(0), rows.temperature, state.status, state.candidate, state.row_lse,
-            part_mass, V, C, CHUNK=chunk, PRECISE=precise, num_warps=4,
+        _mass_ahead_kernel[chunk_grid](
+            logits, logits.stride(0), rows.n_rows, rows.temperature, state.status, state.candidate,
+            state.row_lse, part_mass, V, C, CHUNK=chunk, PRECISE=precise, num_warps=4,
         )  # fmt: skip
-        _decide_kernel[(S,)](
-            logits, logits.stride(0), rows.temperature, rows.top_p, sampled, state.status, state.bound_x,
-            state.bound_i, state.candidate, part_mass, C, BLOCK_C=block_c, PRECISE=precise, num_warps=1,
+        _decide_kernel[row_grid](
+            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, sampled, state.status,
+            state.bound_x, state.bound_i, state.candidate, part_mass, C, BLOCK_C=block_c, PRECISE=precise,
+            num_warps=1,
         )  # fmt: skip
     _finish_kernel[(S,)](
-        logits, logits.stride(0), rows.temperature, rows.top_p, rows.min_p, rows.seed, rows.output_index,
-        sampled, state.status, state.bound_x, state.bound_i, state.candidate, state.row_max, state.row_lse,
-        V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP, PRECISE=precise, num_warps=8,
+        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
+        rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
+        state.row_max, state.row_lse, V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP,
+        PRECISE=precise, num_warps=8,
     )  # fmt: skip

@@ -121,7 +121,7 @@ def schedule_kernel(
     block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
     # DeviceState, free stack, step tables, sampling rows, control
     free_blocks_ptr, free_top_ptr, step_slot_ptr, step_chunk_ptr, sample_slot_ptr, step_num_tokens_ptr,
-    bucket_index_ptr, sampler_index_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr, row_min_p_ptr,
+    bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr, row_min_p_ptr,
     row_seed_ptr, row_output_index_ptr, num_active_ptr, shutdown_seen_ptr, next_arrival_ptr,
     next_run_order_ptr, counters_ptr,
     # GpuForward.inputs (StepInputs)
@@ -236,7 +236,7 @@ def schedule_kernel(
     # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.
     bucket = finish_step_tables(
         nseq, ntot, nsamp, sampler_index, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
-        sampler_index_ptr, S, NUM_BUCKETS, BLOCK_S, BLOCK_S1, BLOCK_NB,
+        sampler_index_ptr, num_sample_rows_ptr, S, NUM_BUCKETS, BLOCK_S, BLOCK_S1, BLOCK_NB,
     )  # fmt: skip
 
     # 6. The forward's token rows (bucket padding included) and block tables.

@@ -15,7 +15,7 @@ _INT32_MAX = tl.constexpr(2**31 - 1)
 @triton.jit
 def finish_step_tables(
     nseq, ntot, nsamp, sampler_index, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
-    sampler_index_ptr,
+    sampler_index_ptr, num_sample_rows_ptr,
     S: tl.constexpr, NUM_BUCKETS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr,
     BLOCK_NB: tl.constexpr,
 ):  # fmt: skip
@@ -47,6 +47,7 @@ def finish_step_tables(
     tl.store(step_num_tokens_ptr, ntot)
     tl.store(bucket_index_ptr, bucket_index)
     tl.store(sampler_index_ptr, sampler_index)
+    tl.store(num_sample_rows_ptr, nsamp)
     return bucket
 
 

@@ -43,6 +43,7 @@ def load_rows(state: DeviceState, params: list[SamplingParams], output_index: li
     state.row_min_p[:n] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     state.row_seed[:n] = torch.tensor([p.seed for p in params])
     state.row_output_index[:n] = torch.tensor(output_index)
+    state.num_sample_rows.fill_(n)
 
 
 def reference(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
@@ -148,6 +149,7 @@ def test_greedy_variant_is_argmax_with_lowest_index_ties():
     logits = torch.randn(6, 513, generator=gen)
     logits[1, [3, 400]] = 50.0
     state = make_state(6, 513)
+    state.num_sample_rows.fill_(6)
     buf = logits.to(DEVICE)
     sampler = DeviceSampler(state, buf)
     state.sampler_index.fill_(SAMPLER_GREEDY)
@@ -285,13 +287,18 @@ def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():
     index = list(range(rows))
     got = run_device(logits, params, index, SAMPLER_REJECTION, rejection_chunk=128, rejection_rounds=1)
     assert torch.equal(got, reference(logits, params, index))
-    # Rows with sample_slot < 0 are argmax rows, whatever their parameters.
+    # Rows past num_sample_rows are not the step's: neither variant reads or writes them.
     state = make_state(rows, vocab)
     load_rows(state, params, index)
-    state.sample_slot[5:] = -1
+    state.num_sample_rows.fill_(5)
+    state.sampled.fill_(-3)
     sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=128)
     sampler.rejection()
-    assert torch.equal(state.sampled[5:].cpu(), logits[5:].argmax(-1))
+    assert torch.equal(state.sampled[:5].cpu(), reference(logits[:5], params[:5], index[:5]))
+    assert (state.sampled[5:] == -3).all()
+    sampler.greedy()
+    assert torch.equal(state.sampled[:5].cpu(), logits[:5].argmax(-1))
+    assert (state.sampled[5:] == -3).all()
 
 
 def test_variants_are_ordered_by_what_they_serve():

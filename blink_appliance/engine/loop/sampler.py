@@ -62,7 +62,7 @@ from blink_appliance.kernels.sampling import (
     masked_logsumexp,
     race,
 )
-from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, race_and_test
+from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows, race_and_test
 
 CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
 RACE_CHUNK = 2048  # vocabulary entries per race program
@@ -110,12 +110,18 @@ class DeviceSampler:
         self.rejection_chunk = min(rejection_chunk, triton.next_power_of_2(vocab))
         self.rejection_rounds = rejection_rounds
         self._rejection = RejectionRows.allocate(rows, triton.cdiv(vocab, self.rejection_chunk), device)
-        self._random = torch.zeros(rows, dtype=torch.int32, device=device)
+        # Persistent programs of the chunked passes: enough to fill the GPU, so that a step's cost
+        # follows its rows (state.num_sample_rows), not the loop's max_num_seqs.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        self.programs = 4 * sms
 
     # -- the two variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
-        """argmax per row, ties to the lowest index (as torch.argmax and the reference)."""
-        torch.argmax(self.logits, dim=-1, out=self.state.sampled)
+        """argmax of the step's rows, ties to the lowest index (as torch.argmax and the reference)."""
+        argmax_rows(
+            self.logits, self.state.num_sample_rows, self._rejection, self.state.sampled,
+            chunk=self.rejection_chunk, programs=self.programs,
+        )  # fmt: skip
 
     def full(self) -> None:
         st = self.state
@@ -170,14 +176,13 @@ class DeviceSampler:
         before it while it is not kept (kernels/sampling_rejection.py). One pass of reading when the
         first winner is kept, which a top-p row's is with probability >= top_p."""
         st = self.state
-        torch.logical_and(st.sample_slot >= 0, st.row_temperature > 0, out=self._random)
         rows = SampleRows(
-            random=self._random, temperature=st.row_temperature, top_p=st.row_top_p, min_p=st.row_min_p,
-            seed=st.row_seed, output_index=st.row_output_index,
+            n_rows=st.num_sample_rows, temperature=st.row_temperature, top_p=st.row_top_p,
+            min_p=st.row_min_p, seed=st.row_seed, output_index=st.row_output_index,
         )  # fmt: skip
         race_and_test(
             self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
-            rounds=self.rejection_rounds, precise=self.precise,
+            rounds=self.rejection_rounds, programs=self.programs, precise=self.precise,
         )  # fmt: skip
 
     def variants(self) -> tuple[Callable[[], None], ...]:

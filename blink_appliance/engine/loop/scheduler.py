@@ -32,7 +32,7 @@ _STATE_TENSORS = (
     "num_tokens", "num_computed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
     "error_code", "free_blocks", "free_top", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
-    "bucket_index", "sampler_index", "row_temperature", "row_top_k", "row_top_p", "row_min_p", "row_seed",
+    "bucket_index", "sampler_index", "num_sample_rows", "row_temperature", "row_top_k", "row_top_p", "row_min_p", "row_seed",
     "row_output_index", "num_active", "shutdown_seen", "next_arrival", "next_run_order", "counters",
     "step_start_ns", "clock_offset_ns",
 )  # fmt: skip

@@ -127,7 +127,8 @@ class DeviceState:
     sample_slot: torch.Tensor  # [S]: slot whose token logits row r holds, -1 unused
     step_num_tokens: torch.Tensor  # [1]: tokens in the step (0: no forward this iteration)
     bucket_index: torch.Tensor  # [1]: SWITCH value; len(buckets) = run no forward
-    sampler_index: torch.Tensor  # [1]: SWITCH value for the sampler: 0 greedy only, 1 some row random
+    sampler_index: torch.Tensor  # [1]: SWITCH value for the sampler (kernels/sampling.py SAMPLER_*)
+    num_sample_rows: torch.Tensor  # [1]: sample rows in use, [0, n) of the row tensors: the sampler's work
     # per sample row [S], gathered from the slots so the sampler reads rows directly
     row_temperature: torch.Tensor  # float32
     row_top_k: torch.Tensor  # int64
@@ -176,6 +177,7 @@ class DeviceState:
             free_top=i32(1, fill=g.num_kv_blocks),
             step_slot=i32(S, fill=-1), step_chunk=i32(S), sample_slot=i32(S, fill=-1),
             step_num_tokens=i32(1), bucket_index=i32(1, fill=len(g.buckets)), sampler_index=i32(1),
+            num_sample_rows=i32(1),
             row_temperature=f32(S), row_top_k=i64(S), row_top_p=f32(S, fill=1.0), row_min_p=f32(S),
             row_seed=i64(S), row_output_index=i64(S),
             sampled=i64(S),
