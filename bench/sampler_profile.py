@@ -142,11 +142,31 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
     return result
 
 
+def tune(vocab: int, device: str) -> list[dict]:
+    """The rejection variant's knobs at 64 rows on flat logits: rounds before the finisher, and
+    persistent programs per SM (engine/loop/sampler.py REJECTION_ROUNDS, PROGRAMS_PER_SM)."""
+    rows, out = 64, []
+    logits = logits_of("flat", rows, vocab, device)
+    for mix in ("temperature 1.0", "temperature 0.7, top_p 0.9"):
+        params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
+        state = make_state(rows, vocab)
+        load_rows(state, params, [r % 7 for r in range(rows)])
+        for rounds in (1, 2, 3):
+            for per_sm in (2, 4, 8, 16):
+                sampler = DeviceSampler(state, logits, rejection_rounds=rounds, programs_per_sm=per_sm)
+                row = {"mix": mix, "rounds": rounds, "programs_per_sm": per_sm,
+                       "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,64", help="comma-separated row counts")
     ap.add_argument("--vocab", type=int, default=None, help="default: 128256 on a GPU, 2000 interpreted")
     ap.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
+    ap.add_argument("--tune", action="store_true", help="also sweep the rejection variant's knobs")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab = args.vocab or (128256 if device == "cuda" else 2000)
@@ -161,9 +181,11 @@ def main() -> None:
                 r = run_case(shape, mix, rows, vocab, device)
                 results.append(r)
                 print(json.dumps(r), flush=True)
+    tuning = tune(vocab, device) if args.tune else []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "sampler_profile.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+        document = {"env": env, "results": results, "tuning": tuning}
+        (args.out / "sampler_profile.json").write_text(json.dumps(document, indent=1))
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"

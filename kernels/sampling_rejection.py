@@ -99,7 +99,7 @@ def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
 
 @triton.jit
 def _race_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
+    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
     row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
     CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
@@ -118,7 +118,8 @@ def _race_chunk(
         if FIRST:
             hi = tl.max(x, 0)
             tl.store(part_max_ptr + out, hi)
-            tl.store(part_sum_ptr + out, tl.sum(tl.where(inb, _exp(x - hi, PRECISE), 0.0), 0))
+            if tl.load(top_p_ptr + r) < 1.0:  # only top-p reads the logsumexp
+                tl.store(part_sum_ptr + out, tl.sum(tl.where(inb, _exp(x - hi, PRECISE), 0.0), 0))
             region = inb
         else:
             region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
@@ -137,8 +138,8 @@ def _race_chunk(
 
 @triton.jit
 def _race_region_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr, status_ptr,
-    bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    status_ptr, bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V,
     n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Persistent over the (row, chunk) items of the step's rows: rows past n_rows cost nothing."""
@@ -147,7 +148,7 @@ def _race_region_kernel(
         r = item // n_chunks
         if FIRST or tl.load(status_ptr + r) == 1:
             _race_chunk(
-                r, item % n_chunks, logits_ptr, stride, temperature_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                r, item % n_chunks, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
                 bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
                 part_sum_ptr, V, n_chunks, CHUNK, FIRST, ARGMAX, PRECISE,
             )  # fmt: skip
@@ -199,11 +200,12 @@ def _pick_row(
     else:
         if FIRST:
             part_max = tl.load(part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
-            part_sum = tl.load(part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0)
             hi = tl.max(part_max, 0)
-            total = tl.sum(tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0), 0)
             tl.store(row_max_ptr + r, hi)
-            tl.store(row_lse_ptr + r, hi + _log(total, PRECISE))
+            if tl.load(top_p_ptr + r) < 1.0:  # the race wrote the sums only for top-p rows
+                part_sum = tl.load(part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0)
+                scaled = tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0)
+                tl.store(row_lse_ptr + r, hi + _log(tl.sum(scaled, 0), PRECISE))
             tl.store(bound_x_ptr + r, float("inf"))
             tl.store(bound_i_ptr + r, 9223372036854775807)
         if tl.max(scores, 0) == float("-inf"):  # an empty region (NaN logits): keep the winner
@@ -358,8 +360,8 @@ def argmax_rows(logits: torch.Tensor, n_rows: torch.Tensor, state: RejectionRows
     C = state.part_score.shape[1]
     unused = state.row_max  # ARGMAX reads no temperature, bound or partial sums
     _race_region_kernel[(_persistent(S * C, programs),)](
-        logits, logits.stride(0), n_rows, unused, unused, unused, unused, state.status, unused, unused,
-        unused, state.part_score, state.part_index, unused, unused, V, C, CHUNK=chunk, FIRST=True,
+        logits, logits.stride(0), n_rows, unused, unused, unused, unused, unused, state.status, unused,
+        unused, unused, state.part_score, state.part_index, unused, unused, V, C, CHUNK=chunk, FIRST=True,
         ARGMAX=True, PRECISE=False, num_warps=4,
     )  # fmt: skip
     _pick_kernel[(_persistent(S, programs),)](
@@ -397,8 +399,8 @@ def race_and_test(
     for round_ in range(rounds):
         first = round_ == 0
         _race_region_kernel[chunk_grid](
-            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.min_p, rows.seed, rows.output_index,
-            state.status, state.bound_x, state.bound_i, state.row_max, state.part_score, state.part_index,
+            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
+            rows.output_index, state.status, state.bound_x, state.bound_i, state.row_max, state.part_score, state.part_index,
             state.part_max, state.part_sum, V, C, CHUNK=chunk, FIRST=first, ARGMAX=False, PRECISE=precise,
             num_warps=4,
         )  # fmt: skip

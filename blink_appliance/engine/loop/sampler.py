@@ -68,6 +68,7 @@ CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDAT
 RACE_CHUNK = 2048  # vocabulary entries per race program
 REJECTION_CHUNK = 1024  # vocabulary entries per program of the rejection variant's chunked passes
 REJECTION_ROUNDS = 2  # chunked race-and-test rounds before the per-row finisher (see `rejection`)
+PROGRAMS_PER_SM = 4  # persistent programs of the chunked passes, per SM
 
 
 def _interpreted() -> bool:
@@ -86,6 +87,7 @@ class DeviceSampler:
         race_chunk: int = RACE_CHUNK,
         rejection_chunk: int = REJECTION_CHUNK,
         rejection_rounds: int = REJECTION_ROUNDS,
+        programs_per_sm: int = PROGRAMS_PER_SM,
     ) -> None:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32:
@@ -113,7 +115,7 @@ class DeviceSampler:
         # Persistent programs of the chunked passes: enough to fill the GPU, so that a step's cost
         # follows its rows (state.num_sample_rows), not the loop's max_num_seqs.
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        self.programs = 4 * sms
+        self.programs = programs_per_sm * sms
 
     # -- the two variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
