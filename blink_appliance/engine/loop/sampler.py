@@ -68,7 +68,7 @@ CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDAT
 RACE_CHUNK = 2048  # vocabulary entries per race program
 REJECTION_CHUNK = 1024  # vocabulary entries per program of the rejection variant's chunked passes
 REJECTION_ROUNDS = 2  # chunked race-and-test rounds before the per-row finisher (see `rejection`)
-PROGRAMS_PER_SM = 4  # persistent programs of the chunked passes, per SM
+PROGRAMS_PER_SM = 16  # persistent programs of the chunked passes, per SM (sampler_profile --tune)
 
 
 def _interpreted() -> bool:
