@@ -92,9 +92,9 @@ class LoopRig:
             raise
         return cls(transport, ring_geometry, region, step, mapped, loop)
 
-    def client(self, dead_after_s: float = 600.0) -> EngineClient:
+    def client(self, stall_limit_s: float = 600.0) -> EngineClient:
         """A front end's client on this ring (start() it inside the event loop that reads it)."""
-        return EngineClient.attach(self.transport, self.ring_geometry, dead_after_s=dead_after_s)
+        return EngineClient.attach(self.transport, self.ring_geometry, stall_limit_s=stall_limit_s)
 
     def start(self) -> None:
         """What the engine host thread does once the loop is ready: heartbeat, RUNNING, launch."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from blink_appliance.processes import set_on_signals
 from blink_appliance.profile import Profile, ProfileError, ring_geometry
+from blink_appliance.wire.lifecycle import mark_engine_exited
 
 if TYPE_CHECKING:
     from blink_appliance.wire.region import RingRegion
@@ -204,6 +205,7 @@ class ApplianceDaemon:
         while not self._stop.wait(0.2):
             code = self.engine.exited()
             if code is not None:
+                mark_engine_exited(region)
                 say(f"engine exited with code {code}; its in-flight requests were failed")
                 self._restart(self.engine, lambda: self._start_engine(region))
             code = self.frontend.exited()

@@ -392,7 +392,7 @@ def _serve_workload(host_steps: bool) -> dict[str, list[int]]:
             loop.launch()
 
         async def serve() -> dict[str, list]:
-            client = EngineClient.attach(transport, ring_geometry, dead_after_s=600.0)
+            client = EngineClient.attach(transport, ring_geometry, stall_limit_s=600.0)
             await client.start()
             streams: dict[str, list] = {}
             tasks = []

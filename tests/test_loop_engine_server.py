@@ -267,7 +267,7 @@ async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigt
             # Not the front end's 0.8 s liveness limit: on a loaded 2-core host the engine's heartbeat
             # once stood still that long during its first interpreted step (a fresh-clone CI run,
             # 2026-11-25). This test is about serving and stopping; a dead engine still fails it.
-            client = EngineClient.attach(transport, ring, dead_after_s=60.0)
+            client = EngineClient.attach(transport, ring, stall_limit_s=60.0)
             await client.start()
             await _wait_async(lambda: client.engine_alive, "the engine process did not come up", timeout=120)
             live = client.stream(client.submit([1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))

@@ -16,6 +16,7 @@ import pytest
 
 from blink_appliance.engine.reference.server import EngineServer
 from blink_appliance.wire.client import EngineBusyError, EngineClient
+from blink_appliance.wire.lifecycle import mark_engine_exited
 from blink_appliance.wire.request import FinishReason, Request, SamplingParams
 from blink_appliance.wire.ring_layout import EngineState, ErrorCode, RingGeometry
 from blink_appliance.wire.shm_transport import ShmTransport
@@ -134,26 +135,40 @@ async def test_thousand_concurrent_requests_with_the_reference_engine_on_a_tiny_
     await thousand_requests("tiny")
 
 
-async def test_engine_death_is_seen_within_a_second_and_a_restarted_engine_serves_the_same_client():
+async def _open_streams(client: EngineClient, n: int, max_tokens: int) -> list:
+    ids = [client.submit([7, 8], SamplingParams(max_tokens=max_tokens)) for _ in range(n)]
+    streams = [client.stream(rid) for rid in ids]
+    for s in streams:
+        await s.__anext__()  # every request is being generated
+    return streams
+
+
+async def _last_events(streams: list) -> list:
+    ends = []
+    for s in streams:
+        async for event in s:
+            last = event
+        ends.append(last)
+    return ends
+
+
+async def test_engine_exit_marked_by_its_supervisor_fails_streams_at_once_and_a_restarted_engine_serves():
+    """The daemon's verdict (mark_engine_exited on waitpid), not the heartbeat, ends a dead engine's
+    streams: within a second of the mark, long before the stall limit."""
     with shm_region(SMALL) as transport:
         client = EngineClient.attach(transport, SMALL)
         await client.start()
         with engine_process(transport.name, SMALL, "counter-slow") as proc:
             await wait_alive(client)
-            ids = [client.submit([7, 8], SamplingParams(max_tokens=60)) for _ in range(10)]
-            streams = [client.stream(rid) for rid in ids]
-            for s in streams:
-                await s.__anext__()  # every request is being generated
+            streams = await _open_streams(client, 10, 60)
             os.kill(proc.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            ends = []
-            for s in streams:
-                async for event in s:
-                    last = event
-                ends.append((last, time.monotonic() - killed))
-        for event, seconds in ends:
-            assert event.finish_reason is FinishReason.ERROR and "engine is dead" in event.error
-            assert seconds < 1.0
+            proc.join(10)
+            mark_engine_exited(client.region)
+            marked = time.monotonic()
+            ends = await _last_events(streams)
+            assert time.monotonic() - marked < 1.0
+        for event in ends:
+            assert event.finish_reason is FinishReason.ERROR and "engine state FAILED" in event.error
         assert not client.engine_alive
 
         with engine_process(transport.name, SMALL, "counter") as proc:
@@ -168,6 +183,39 @@ async def test_engine_death_is_seen_within_a_second_and_a_restarted_engine_serve
             transport.store_u64(320, 1)
             proc.join(20)
             assert transport.load_u64(208) == EngineState.STOPPED
+            mark_engine_exited(client.region)  # a clean stop stays STOPPED
+            assert transport.load_u64(208) == EngineState.STOPPED
+        await client.close()
+
+
+async def test_an_engine_stopped_for_longer_than_the_old_heartbeat_limit_loses_no_stream():
+    """SIGSTOP for 1.5 s (a host under load, a debugger): the streams wait and then finish."""
+    with shm_region(SMALL) as transport:
+        client = EngineClient.attach(transport, SMALL)
+        await client.start()
+        with engine_process(transport.name, SMALL, "counter-slow") as proc:
+            await wait_alive(client)
+            streams = await _open_streams(client, 6, 20)
+            os.kill(proc.pid, signal.SIGSTOP)
+            await asyncio.sleep(1.5)
+            os.kill(proc.pid, signal.SIGCONT)
+            ends = await _last_events(streams)
+        assert [e.finish_reason for e in ends] == [FinishReason.LENGTH] * 6, [e.error for e in ends]
+        await client.close()
+
+
+async def test_an_engine_stuck_past_the_stall_limit_fails_its_streams():
+    with shm_region(SMALL) as transport:
+        client = EngineClient.attach(transport, SMALL, stall_limit_s=0.5)
+        await client.start()
+        with engine_process(transport.name, SMALL, "counter-slow") as proc:
+            await wait_alive(client)
+            streams = await _open_streams(client, 3, 60)
+            os.kill(proc.pid, signal.SIGSTOP)
+            ends = await asyncio.wait_for(_last_events(streams), 30)
+            os.kill(proc.pid, signal.SIGKILL)
+        for event in ends:
+            assert event.finish_reason is FinishReason.ERROR and "heartbeat last advanced" in event.error
         await client.close()
 
 

@@ -65,7 +65,7 @@ async def test_requests_get_exactly_their_tokens_and_one_terminal_event():
         # on a loaded 2-core CI machine it has missed the default 0.8 s, and once (a fresh-clone CI
         # run) even 10 s. Liveness is not under test here; a heartbeat that really stopped still
         # fails the test, after a minute, with the beat's age in the message.
-        async with client_for(transport, dead_after_s=60.0) as client:
+        async with client_for(transport, stall_limit_s=60.0) as client:
 
             async def one(prompt, n):
                 rid = await submit_when_free(client, prompt, SamplingParams(temperature=0.0, max_tokens=n))
@@ -284,7 +284,7 @@ async def test_shutdown_aborts_in_flight_and_client_sees_engine_stop():
 async def test_submit_to_an_engine_whose_heartbeat_stopped_says_how_stale_it_is():
     """State RUNNING but no engine beating (a hung engine process): the refusal names the beat's age."""
     with shm_region() as transport:
-        client = EngineClient.attach(transport, SMALL, dead_after_s=0.05)
+        client = EngineClient.attach(transport, SMALL, stall_limit_s=0.05)
         client.region.store("engine_state", EngineState.RUNNING)
         client.region.store("engine_heartbeat_ns", 1)
         await client.start()
@@ -331,7 +331,7 @@ async def hand_engine_client(**options):
         heartbeat = Heartbeat(region, interval_s=0.01)
         heartbeat.start()
         try:
-            async with client_for(transport, dead_after_s=60.0, **options) as client:
+            async with client_for(transport, stall_limit_s=60.0, **options) as client:
                 yield client, region
         finally:
             heartbeat.stop()

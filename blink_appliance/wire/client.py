@@ -28,6 +28,11 @@ from blink_appliance.wire.ring_layout import (
 )
 from blink_appliance.wire.transport import Transport
 
+# How long the engine's heartbeat may stand still before its open streams fail (docs/reliability.md).
+# A stall shorter than this (a busy host, a stopped process that resumes) makes streams wait; an engine
+# that exits is seen at once through engine_state, which the engine or the daemon sets.
+ENGINE_STALL_LIMIT_S = 10.0
+
 
 class EngineBusyError(Exception):
     """No room right now (request ring, token arena or in-flight slots full); retry later."""
@@ -52,14 +57,14 @@ class EngineClient:
         self,
         region: RingRegion,
         *,
-        dead_after_s: float = 0.8,
+        stall_limit_s: float = ENGINE_STALL_LIMIT_S,
         poll_interval_s: float = 0.0005,
         spin_s: float = 0.0005,
         payload_timeout_s: float = 1.0,
     ) -> None:
         self.region = region
         self.geometry = region.geometry
-        self.dead_after_ns = int(dead_after_s * 1e9)
+        self.stall_limit_ns = int(stall_limit_s * 1e9)
         self.poll_interval_s = poll_interval_s
         # After activity, poll without sleeping this long: asyncio sleeps round up to 1 ms.
         self.spin_ns = int(spin_s * 1e9)
@@ -106,7 +111,7 @@ class EngineClient:
             else:
                 self._tracked_gen[slot] = gen
         self._beat_value = r.load("engine_heartbeat_ns")
-        self._beat_seen_ns = time.monotonic_ns() - self.dead_after_ns - 1
+        self._beat_seen_ns = time.monotonic_ns() - self.stall_limit_ns - 1
         self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="engine-client-pump")
         # Give a live engine a moment to show a heartbeat, so the first submit does not see it dead.
         deadline = time.monotonic() + 0.25
@@ -226,14 +231,14 @@ class EngineClient:
     # -- engine liveness and telemetry -------------------------------------------------------------
     @property
     def engine_alive(self) -> bool:
-        """Running and its heartbeat advanced within the last `dead_after_s` (our own clock)."""
+        """Running and its heartbeat advanced within the last `stall_limit_s` (our own clock)."""
         now = time.monotonic_ns()
         beat = self.region.load("engine_heartbeat_ns")
         if beat != self._beat_value:
             self._beat_value, self._beat_seen_ns = beat, now
         return (
             self.region.load("engine_state") == EngineState.RUNNING
-            and now - self._beat_seen_ns <= self.dead_after_ns
+            and now - self._beat_seen_ns <= self.stall_limit_ns
         )
 
     def _why_dead(self) -> str:
@@ -245,7 +250,7 @@ class EngineClient:
             except ValueError:
                 return f"engine state word {state}"
         age_s = (time.monotonic_ns() - self._beat_seen_ns) / 1e9
-        return f"heartbeat last advanced {age_s:.1f} s ago, limit {self.dead_after_ns / 1e9:g} s"
+        return f"heartbeat last advanced {age_s:.1f} s ago, limit {self.stall_limit_ns / 1e9:g} s"
 
     def telemetry(self) -> dict[str, int | float]:
         r = self.region

@@ -28,6 +28,13 @@ HEARTBEAT_INTERVAL_S = 0.05
 FRONTEND_TIMEOUT_S = 5.0
 
 
+def mark_engine_exited(region: RingRegion) -> None:
+    """The supervisor saw the engine process exit: unless it stopped cleanly, its state is FAILED,
+    so the front end fails its streams now instead of waiting out the heartbeat's stall limit."""
+    if region.load("engine_state") in (EngineState.STARTING, EngineState.RUNNING):
+        region.store("engine_state", EngineState.FAILED)
+
+
 def begin_epoch(region: RingRegion) -> int:
     """Take the region: state STARTING, epoch + 1, our pid. Returns the new epoch."""
     region.store("engine_state", EngineState.STARTING)
