@@ -41,6 +41,8 @@ class EngineClientLike(Protocol):
 
     def stream(self, request_id: int) -> AsyncIterator[TokenEvent]: ...
 
+    def abandon(self, request_id: int) -> None: ...
+
     def telemetry(self) -> dict[str, Any]: ...
 
 
@@ -269,7 +271,11 @@ class CompletionService:
         to cancel.
         """
         request_id = await self.submit(prep)
-        yield Piece("")  # admitted: the caller may now commit to a 200 (e.g. start an SSE stream)
+        try:
+            yield Piece("")  # admitted: the caller may now commit to a 200 (e.g. start an SSE stream)
+        except GeneratorExit:  # closed before its stream opened (the client left during the headers)
+            self.client.abandon(request_id)
+            raise
         self._inflight.count += 1
         self._inflight.idle.clear()
         timer = self.metrics.request_timer(prep.prompt_tokens)

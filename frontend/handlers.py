@@ -174,6 +174,11 @@ async def _stream_response(
     except ConnectionResetError:  # the client went away: closing `pieces` cancels the request
         log.debug("client disconnected from %s", prep.rid)
         return response
+    except Exception:  # a 200 is already sent: the stream must still end, with the error in it
+        log.exception("stream %s failed", prep.rid)
+        error = APIError(500, "the server failed while streaming this request", type="server_error")
+        await send(error.body())
+        await send("[DONE]")
     await response.write_eof()
     return response
 

@@ -404,3 +404,17 @@ async def test_a_parameter_too_wide_for_its_ring_word_is_refused_before_a_slot_i
         assert (len(client._free), client._next_id, region.load("arena_head")) == (free, next_id, 0)
         rid = client.submit([5, 6], GREEDY)
         assert rid == next_id and client._by_id[rid].slot >= 0
+
+
+async def test_abandon_cancels_a_request_never_streamed_and_its_slot_comes_back():
+    """A request whose stream was never opened (its HTTP client left during the headers)."""
+    engine = CounterEngine(step_delay_s=0.05)  # 60 tokens would take 3 s
+    with shm_region() as transport, server_thread(engine, transport):
+        async with client_for(transport) as client:
+            rid = client.submit([4], SamplingParams(max_tokens=60))
+            client.abandon(rid)
+            assert rid not in client._by_id
+            start = time.monotonic()
+            while len(client._free) < SMALL.max_inflight:
+                assert time.monotonic() - start < 2.0, "the abandoned request was not cancelled"
+                await asyncio.sleep(0.01)

@@ -222,6 +222,11 @@ class EngineClient:
                 self.cancel(request_id)
             self._by_id.pop(request_id, None)
 
+    def abandon(self, request_id: int) -> None:
+        """Cancel a request whose stream was never opened, and forget it: its events go nowhere."""
+        self.cancel(request_id)
+        self._by_id.pop(request_id, None)
+
     def cancel(self, request_id: int) -> None:
         """Ask the engine to abort; the stream still ends with an ABORT terminal event."""
         pending = self._by_id.get(request_id)
