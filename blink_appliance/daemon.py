@@ -168,6 +168,9 @@ class ApplianceDaemon:
         from blink_appliance.wire.ring_layout import EngineState
 
         epoch = region.load("engine_epoch")
+        # A shutdown word left from before (a stray write, an engine's own request) must not stop
+        # the engine this starts: the daemon's own stop is its event, checked below.
+        region.store("shutdown", 0)
         self.engine.start()
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while not self._stop.is_set():

@@ -223,7 +223,9 @@ def parse_request(cls: type[RequestT], body: Any) -> RequestT:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        request = cls.model_validate(body)
+        # Strict: JSON's own types only, as OpenAI checks them ("5", 3.0 or true for an integer,
+        # "yes" for a boolean are 400s, not coerced).
+        request = cls.model_validate(body, strict=True)
     except ValidationError as e:
         errors = e.errors()
         # A bad content part fails every branch of `str | list[part]`: of the first parameter's

@@ -3,6 +3,8 @@ surrogate in a string. Both are the client's mistake: a 400 with OpenAI's error 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from blink_appliance.frontend.app import create_app
 
@@ -42,3 +44,23 @@ async def test_a_surrogate_pair_is_a_character_and_passes_the_check(aiohttp_clie
     the missing model field, not the text."""
     status, body = await _post(aiohttp_client, "/v1/completions", rb'{"prompt": "\ud83d\ude00"}')
     assert status == 400 and "surrogate" not in body["error"]["message"], body
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", "5"), ("max_tokens", 3.0), ("max_tokens", True), ("stream", "yes"), ("stream", 1),
+     ("temperature", "0.5"), ("seed", "7"), ("ignore_eos", "true"), ("stop_token_ids", ["5"])],
+)  # fmt: skip
+async def test_values_of_the_wrong_json_type_are_a_400_not_coerced(aiohttp_client, field, value):
+    """Issue 20 defect 11: "5", 3.0 or true for an integer, "yes" for a boolean were accepted."""
+    data = json.dumps({"model": "m", "prompt": "hi", field: value}).encode()
+    status, body = await _post(aiohttp_client, "/v1/completions", data)
+    assert status == 400, body
+    assert body["error"]["param"] == field and body["error"]["code"] == "invalid_value", body
+
+
+def test_ints_are_still_accepted_where_a_float_is_asked():
+    from blink_appliance.frontend.openai_schema import CompletionRequest, parse_request
+
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "temperature": 1, "top_p": 1})
+    assert req.temperature == 1.0 and req.top_p == 1.0

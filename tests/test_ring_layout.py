@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 import threading
 import time
@@ -220,3 +221,21 @@ def test_step_time_buckets_cover_a_cpu_step():
         assert bucket < len(STEP_TIME_BOUNDS_US) and STEP_TIME_BOUNDS_US[bucket] == bound_us, step_ms
     assert step_time_bucket(20_000_000_000) == len(STEP_TIME_BOUNDS_US)  # past the top: +Inf
     assert CONTROL.itemsize == 704  # the block grew from 640 bytes with the bounds (docs/protocol.md)
+
+
+def test_a_segment_of_another_user_is_refused_naming_its_owner(monkeypatch):
+    """Issue 20 defect 8: another local user's segment under our name (a fake header naming a live
+    pid) is not trusted, nor removed; the error says whose it is and what to do."""
+    import blink_appliance.wire.shm_transport as shm_transport
+
+    name = unique_name()
+    squatter = ShmTransport.create(name, 4096)
+    try:
+        monkeypatch.setattr(shm_transport.os, "getuid", lambda: os.geteuid() + 1)
+        with pytest.raises(
+            RegionInUseError, match=r"belongs to uid \d+, not to this user.*appliance.shm_name"
+        ):
+            ShmTransport.create(name, 4096, replace_stale=True)
+    finally:
+        monkeypatch.undo()
+        squatter.close()

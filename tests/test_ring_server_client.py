@@ -418,3 +418,26 @@ async def test_abandon_cancels_a_request_never_streamed_and_its_slot_comes_back(
             while len(client._free) < SMALL.max_inflight:
                 assert time.monotonic() - start < 2.0, "the abandoned request was not cancelled"
                 await asyncio.sleep(0.01)
+
+
+async def test_a_stray_engine_state_write_is_put_back_and_no_stream_fails():
+    """Issue 20 defect 6: engine_state = FAILED (or garbage) written over a live engine's gave a
+    permanent 503. The engine's heartbeat puts its state back; the client waits out the blip."""
+    engine = CounterEngine(step_delay_s=0.01)
+    with shm_region() as transport, server_thread(engine, transport) as server:
+        async with client_for(transport) as client:
+            streams = [client.stream(client.submit([4], SamplingParams(max_tokens=40))) for _ in range(4)]
+            first = [await s.__anext__() for s in streams]
+            for word in (EngineState.FAILED, 77):
+                server.region.store("engine_state", word)
+                deadline = time.monotonic() + 2
+                while server.region.load("engine_state") != EngineState.RUNNING:
+                    assert time.monotonic() < deadline, "the engine did not put its state back"
+                    await asyncio.sleep(0.005)
+            rest = [[e async for e in s] for s in streams]
+            assert all(f.finish_reason is None for f in first)
+            assert [r[-1].finish_reason for r in rest] == [FinishReason.LENGTH] * 4, [
+                r[-1].error for r in rest
+            ]
+            assert server._lifecycle.heartbeat.repairs >= 2
+            assert client.engine_alive

@@ -32,6 +32,9 @@ from blink_appliance.wire.transport import Transport
 # A stall shorter than this (a busy host, a stopped process that resumes) makes streams wait; an engine
 # that exits is seen at once through engine_state, which the engine or the daemon sets.
 ENGINE_STALL_LIMIT_S = 10.0
+# How long engine_state must read other than RUNNING, after it read RUNNING, before the engine counts
+# as gone: a live engine puts a stray write back within a heartbeat (wire/lifecycle.py Heartbeat.hold).
+STATE_GRACE_S = 0.25
 
 
 class EngineBusyError(Exception):
@@ -84,6 +87,7 @@ class EngineClient:
         self._closed = False
         self._beat_value = 0
         self._beat_seen_ns = 0
+        self._state_bad_since_ns: int | None = 0  # not RUNNING since then (None: RUNNING); 0: never seen it
         self._head = self._arena_head = self._next_id = 0
 
     @classmethod
@@ -236,15 +240,20 @@ class EngineClient:
     # -- engine liveness and telemetry -------------------------------------------------------------
     @property
     def engine_alive(self) -> bool:
-        """Running and its heartbeat advanced within the last `stall_limit_s` (our own clock)."""
+        """RUNNING (or away from it for less than STATE_GRACE_S) and its heartbeat advanced within
+        the last `stall_limit_s` (our own clock)."""
         now = time.monotonic_ns()
         beat = self.region.load("engine_heartbeat_ns")
         if beat != self._beat_value:
             self._beat_value, self._beat_seen_ns = beat, now
-        return (
-            self.region.load("engine_state") == EngineState.RUNNING
-            and now - self._beat_seen_ns <= self.stall_limit_ns
+        if self.region.load("engine_state") == EngineState.RUNNING:
+            self._state_bad_since_ns = None
+        elif self._state_bad_since_ns is None:
+            self._state_bad_since_ns = now
+        state_ok = self._state_bad_since_ns is None or (
+            self._state_bad_since_ns > 0 and now - self._state_bad_since_ns < STATE_GRACE_S * 1e9
         )
+        return state_ok and now - self._beat_seen_ns <= self.stall_limit_ns
 
     def _why_dead(self) -> str:
         """Which half of `engine_alive` failed, for the error a caller sees."""

@@ -147,16 +147,33 @@ def withdraw_shutdown_request(region: RingRegion) -> None:
 
 class Heartbeat:
     """Writes engine_heartbeat_ns (CLOCK_MONOTONIC) every `interval_s`, from a thread of its own so
-    a long step is not mistaken for death; it dies with the process, which the front end notices."""
+    a long step is not mistaken for death; it dies with the process, which the daemon notices.
+
+    While `hold(state)` is in force it also puts engine_state back to that state if anything else
+    wrote the word: the engine owns it, and a stray write must not make a live engine look dead."""
 
     def __init__(self, region: RingRegion, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
         self.region = region
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # a state change and a beat's repair never interleave
+        self._held: int | None = None
+        self.repairs = 0  # engine_state words put back
 
     def beat(self) -> None:
-        self.region.store("engine_heartbeat_ns", time.monotonic_ns())
+        with self._lock:
+            self.region.store("engine_heartbeat_ns", time.monotonic_ns())
+            if self._held is not None and self.region.load("engine_state") != self._held:
+                self.region.store("engine_state", self._held)
+                self.repairs += 1
+
+    def hold(self, state: int | None) -> None:
+        """Write engine_state = `state` and keep it so (None: write nothing, keep nothing)."""
+        with self._lock:
+            self._held = state
+            if state is not None:
+                self.region.store("engine_state", state)
 
     def start(self) -> None:
         self._stop.clear()  # a server may run again after a stop
@@ -257,14 +274,16 @@ class ServerLifecycle:
         self.write_telemetry()
 
     def serving(self) -> None:
-        self.region.store("engine_state", EngineState.RUNNING)
+        self.heartbeat.hold(EngineState.RUNNING)
 
     def stopped(self) -> None:
         """The last telemetry, then STOPPED: the engine exits cleanly."""
         self.write_telemetry()
+        self.heartbeat.hold(None)
         self.region.store("engine_state", EngineState.STOPPED)
 
     def failed(self) -> None:
+        self.heartbeat.hold(None)
         self.region.store("engine_state", EngineState.FAILED)
 
     def maybe_write_telemetry(self) -> None:

@@ -27,7 +27,18 @@ _TRACK_KW = {"track": False} if sys.version_info >= (3, 13) else {}
 
 
 class RegionInUseError(RuntimeError):
-    """A segment with this name exists and its owner process is alive."""
+    """A segment with this name exists and its owner process is alive, or another user owns it."""
+
+
+def _check_ours(shm: shared_memory.SharedMemory, name: str) -> None:
+    """Refuse a segment another user created: its header could name any live process (a squatter
+    blocking our start), and it is not ours to remove or to trust."""
+    st = os.fstat(shm._fd)
+    if st.st_uid != os.getuid():
+        raise RegionInUseError(
+            f"shared-memory region {name!r} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): "
+            "set appliance.shm_name to another name, or have its owner remove /dev/shm/" + name.lstrip("/")
+        )
 
 
 def _process_start_ticks(pid: int) -> int:
@@ -94,6 +105,7 @@ class ShmTransport(Transport):
         shm = shared_memory.SharedMemory(name, create=False, **_TRACK_KW)
         _untrack(shm)
         try:
+            _check_ours(shm, name)
             pre = None
             if shm.size >= PREAMBLE_BYTES:
                 pre = np.ndarray(PREAMBLE_BYTES // 8, dtype="<u8", buffer=shm.buf).copy()

@@ -1,0 +1,69 @@
+"""The daemon's supervision of its engine, with a stand-in child (no processes): it clears a stale
+shutdown word before an engine starts, and marks an engine that exited FAILED before it restarts
+one (issue 20, defects 4 and 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from blink_appliance.daemon import ApplianceDaemon
+from blink_appliance.profile import parse_profile
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.ring_layout import EngineState
+from tests.ring_support import SMALL, shm_region
+
+
+class StandInEngine:
+    """Comes up at once when started (a new epoch, RUNNING); records the words it started with."""
+
+    name = "engine"
+
+    def __init__(self, region: RingRegion) -> None:
+        self.region = region
+        self.restarts: list[float] = []
+        self.started_with: list[tuple[int, int]] = []  # (shutdown, engine_state) at each start
+        self.code: int | None = None
+
+    def start(self) -> None:
+        self.started_with.append((self.region.load("shutdown"), self.region.load("engine_state")))
+        self.region.store("engine_epoch", self.region.load("engine_epoch") + 1)
+        self.region.store("engine_state", EngineState.RUNNING)
+        self.code = None
+
+    def exited(self) -> int | None:
+        return self.code
+
+
+def daemon_with(region: RingRegion, tmp_path: Path) -> tuple[ApplianceDaemon, StandInEngine]:
+    model = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
+    daemon = ApplianceDaemon(parse_profile({"models": [model]}, origin="test"), tmp_path / "profile.toml")
+    daemon.engine = StandInEngine(region)  # type: ignore[assignment]
+    return daemon, daemon.engine  # type: ignore[return-value]
+
+
+def test_a_stale_shutdown_word_does_not_stop_the_engine_the_daemon_starts(tmp_path):
+    with shm_region(SMALL) as transport:
+        region = RingRegion.attach(transport, SMALL)
+        daemon, engine = daemon_with(region, tmp_path)
+        region.store("shutdown", 1)  # left by a stray writer, or by the last engine's stop
+        daemon._start_engine(region)
+        assert [shutdown for shutdown, _ in engine.started_with] == [0]
+        daemon._workdir.rmdir()
+
+
+def test_an_engine_that_exited_is_marked_failed_before_the_next_one_starts(tmp_path):
+    with shm_region(SMALL) as transport:
+        region = RingRegion.attach(transport, SMALL)
+        daemon, engine = daemon_with(region, tmp_path)
+        daemon._start_engine(region)
+        engine.code = -9  # killed; its state word still says RUNNING
+        daemon._stop.wait = _once_then_stop(daemon)  # one supervision round
+        daemon._supervise(region)
+        assert engine.started_with[-1] == (0, EngineState.FAILED)
+        assert region.load("engine_state") == EngineState.RUNNING  # the restarted one
+        daemon._workdir.rmdir()
+
+
+def _once_then_stop(daemon: ApplianceDaemon):
+    rounds = iter([False, True])
+    return lambda timeout=None: next(rounds)
