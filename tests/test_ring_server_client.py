@@ -434,7 +434,9 @@ async def test_a_stray_engine_state_write_is_put_back_and_no_stream_fails():
                 while server.region.load("engine_state") != EngineState.RUNNING:
                     assert time.monotonic() < deadline, "the engine did not put its state back"
                     await asyncio.sleep(0.005)
-            rest = [[e async for e in s] for s in streams]
+            rest = []
+            for s in streams:
+                rest.append([e async for e in s])
             assert all(f.finish_reason is None for f in first)
             assert [r[-1].finish_reason for r in rest] == [FinishReason.LENGTH] * 4, [
                 r[-1].error for r in rest
