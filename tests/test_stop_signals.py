@@ -118,3 +118,35 @@ def test_up_stopped_while_its_front_end_starts_never_says_ready_and_exits_zero(t
     assert out == "", out  # stdout carries the URL once ready; it never was
     # (The front end may exit 0 or by the signal: it can arrive before its interpreter has a handler.)
     assert "ready:" not in log and "engine exit 0" in log, log
+
+
+def test_an_engine_whose_daemon_is_gone_before_it_serves_exits_at_once(tmp_path):
+    """A daemon killed while its engine builds (minutes on a GPU) left the engine holding the GPU
+    until the build ended. Before it serves the engine has accepted nothing: it exits at once."""
+    from blink_appliance.profile import load_profile, ring_geometry
+    from blink_appliance.wire.region import RingRegion
+    from blink_appliance.wire.ring_layout import region_size
+    from blink_appliance.wire.shm_transport import ShmTransport
+    from tests.ring_support import unique_name
+
+    name = unique_name()
+    profile = tmp_path / "p.toml"
+    profile.write_text(
+        f'[appliance]\nshm_name = "{name}"\n\n[[models]]\nname = "m"\nsource = "dummy:tiny"\n'
+        'device = "cpu"\nkv_budget_gib = 0.01\n'
+    )
+    geometry = ring_geometry(load_profile(profile))
+    transport = ShmTransport.create(name, region_size(geometry))
+    try:
+        RingRegion.create(transport, geometry)
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])  # a "daemon" that is not our parent
+        gone.wait()
+        done = subprocess.run(
+            [sys.executable, "-m", "blink_appliance.engine.process", str(profile), "--parent-pid", str(gone.pid)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        transport.close()
+    assert done.returncode == 1, done.stderr
+    assert "is gone while the engine starts; exiting" in done.stderr
+    assert "serving on the rings" not in done.stderr

@@ -24,6 +24,9 @@ from blink_appliance.processes import pin_cpus, set_on_signals, watch_parent
 from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
 
 log = logging.getLogger("blink_appliance.engine")
+# Set once the engine serves. Before that nothing was accepted (the front end submits only to a
+# RUNNING engine), so a lost daemon ends the process at once instead of after a build of minutes.
+SERVING = threading.Event()
 
 
 def _stage(message: str) -> float:
@@ -70,6 +73,7 @@ def serve(profile: Profile, stop: threading.Event) -> None:
     try:
         server = EngineServer(engine, transport, ring_geometry(profile), vocab_size=model.config.vocab_size)
         print("[engine] serving on the rings", file=sys.stderr, flush=True)
+        SERVING.set()
         server.run(stop)
     finally:
         transport.close()
@@ -104,6 +108,7 @@ def serve_loop(profile: Profile, stop: threading.Event) -> None:
         _done(t0)
         print(f"[engine] serving on the rings ({profile.engine_mode} mode)", file=sys.stderr, flush=True)
         try:
+            SERVING.set()
             server.run(stop)
         finally:
             server.close()
@@ -137,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         parent_pid = args.parent_pid
 
         def parent_gone() -> None:
+            if not SERVING.is_set():
+                log.error("the daemon (pid %d) is gone while the engine starts; exiting", parent_pid)
+                os._exit(1)
             log.error("the daemon (pid %d) is gone; stopping", parent_pid)
             stop.set()
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from blink_appliance.engine.loop.progress import stage
 from blink_appliance.model.gpu_forward import GpuForward
 
 DEFAULT_BUCKETS = (8, 32, 128, 512, 2048)
@@ -42,15 +43,22 @@ class ForwardGraphs:
         stream = torch.cuda.Stream(device=fwd.device)
         stream.wait_stream(torch.cuda.current_stream(fwd.device))
         with torch.cuda.stream(stream):
-            for _ in range(warmup_steps):
-                for T in self.buckets:
-                    fwd.step(T)
+            for i, T in enumerate(self.buckets):  # the first pass compiles each bucket's kernels
+                with stage(f"forward bucket {T} ({i + 1}/{len(self.buckets)}): compiling and warming"):
+                    for _ in range(warmup_steps):
+                        fwd.step(T)
+                    torch.cuda.synchronize(fwd.device)
         torch.cuda.current_stream(fwd.device).wait_stream(stream)
         torch.cuda.synchronize(fwd.device)
         for k, v in saved.items():
             getattr(fwd.inputs, k).copy_(v)
 
         self.pool = torch.cuda.graph_pool_handle()
+        with stage(f"capturing {len(self.buckets)} forward graphs"):
+            self._capture_buckets()
+
+    def _capture_buckets(self) -> None:
+        fwd = self.forward
         # Largest first, so later (smaller) captures reuse the pool's blocks.
         for T in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph(keep_graph=True)

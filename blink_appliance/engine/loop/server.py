@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+from blink_appliance.engine.loop.progress import stage
 from blink_appliance.engine.loop.state import COUNTER_INDEX, DeviceState, LoopGeometry, SlotState
 from blink_appliance.wire.lifecycle import (
     FRONTEND_TIMEOUT_S,
@@ -386,7 +387,8 @@ def build_loop_server(
             # The region's own bytes; the commit kernel stamps host time itself under the interpreter.
             ring_bytes = torch.frombuffer(transport.buffer, dtype=torch.uint8)
             offset = None
-        weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
+        with stage(f"weights to {device}"):
+            weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
         step = LoopStep.build(
             config, weights, ring_bytes, RingLayout.of(ring), geometry, device, dtype,
             engine_seed=secrets.randbits(63), deterministic=bool(profile.engine.deterministic),
@@ -399,13 +401,14 @@ def build_loop_server(
             from blink_appliance.engine.loop.graph import DeviceLoop
             from blink_appliance.engine.loop.mapped_region import RingWords
 
-            device_loop = DeviceLoop(
-                step.body(),
-                num_active=step.state.num_active,
-                keep_running=step.state.keep_running,
-                ring=RingWords.of(mapped),
-                control=control,
-            )
+            with stage("capturing the device loop's graph"):
+                device_loop = DeviceLoop(
+                    step.body(),
+                    num_active=step.state.num_active,
+                    keep_running=step.state.keep_running,
+                    ring=RingWords.of(mapped),
+                    control=control,
+                )
             owned.append(device_loop)
         server = LoopEngineServer(
             region,

@@ -22,6 +22,7 @@ import torch
 from blink_appliance.engine.loop.commit import DeviceCommit
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 from blink_appliance.engine.loop.graph import Segment, engine_body
+from blink_appliance.engine.loop.progress import stage
 from blink_appliance.engine.loop.sampler import DeviceSampler
 from blink_appliance.engine.loop.scheduler import DeviceScheduler
 from blink_appliance.engine.loop.state import DeviceState, LoopGeometry
@@ -189,8 +190,12 @@ class LoopStep:
         """Compile and warm what the loop's graph captures, without touching the loop's state or the
         ring: the schedule and commit kernels are compiled only (running them would admit records and
         publish), the sampler (which writes nothing but `sampled`) runs. Nothing to compile on the CPU."""
+        g = self.geometry
         if self.state.keep_running.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            self.scheduler.compile()
-        self.committer.compile()
-        for variant in self.sampler.variants():
-            variant()
+            with stage(f"compiling the schedule kernel ({g.num_slots} slots, {g.max_num_seqs} sequences)"):
+                self.scheduler.compile()
+        with stage(f"compiling the commit kernel ({g.num_slots} slots)"):
+            self.committer.compile()
+        with stage(f"compiling and warming {len(self.sampler.variants())} sampler variants"):
+            for variant in self.sampler.variants():
+                variant()
