@@ -13,9 +13,9 @@ import contextlib
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from blink_appliance.frontend.errors import APIError, bad_request, service_unavailable
 from blink_appliance.frontend.metrics import ServingMetrics
@@ -28,7 +28,8 @@ from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEven
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_TOKENIZE_IN_THREAD_CHARS = 8192  # long prompts are tokenized off the event loop
+T = TypeVar("T")
+_TOKENIZE_IN_THREAD_CHARS = 8192  # longer prompts are templated and tokenized off the event loop
 
 
 class EngineClientLike(Protocol):
@@ -154,10 +155,12 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
+        messages = req.template_messages()
         try:
-            templated = self.tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True
-            )
+            templated = await self._off_loop_if_long(
+                sum(len(str(m.get("content") or "")) for m in messages),
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+            )  # fmt: skip
         except APIError:  # the tokenizer's own refusal (a model without a chat template)
             raise
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
@@ -169,9 +172,19 @@ class CompletionService:
         return self._prepared(req, ids, req.token_limit, default_max=None)
 
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        if len(text) > _TOKENIZE_IN_THREAD_CHARS:
-            return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens))
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(
+            await self._off_loop_if_long(
+                len(text), self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+            )
+        )
+
+    @staticmethod
+    async def _off_loop_if_long(chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Work that grows with the input (templating, tokenizing) runs in a worker thread once the
+        input is long, so one big body does not stall every other stream's tokens."""
+        if chars > _TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         if not ids:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 # GGUF token_type values (llama.cpp's llama_token_type).
 _CONTROL = 3
 _USER_DEFINED = 4
+_GIL_FREE_CHARS = 4096  # longer texts are encoded through encode_batch (see Tokenizer.encode)
 
 # Pre-tokenizer splits, by `tokenizer.ggml.pre`: the regexes llama.cpp uses for each, which are
 # also what the models' own tokenizer.json files do.
@@ -92,6 +93,10 @@ class Tokenizer:
     # -- text <-> ids ----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            # encode_batch releases the GIL while it works (encode does not): a worker thread
+            # tokenizing a long prompt then leaves the event loop free. The same ids.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
