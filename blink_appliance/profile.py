@@ -143,6 +143,10 @@ class FrontendSection(_Section):
     max_request_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies get 413
     max_inflight: int = Field(default=256, ge=1, le=65536)  # requests admitted at once; more get 503
     api_keys: list[str] = Field(default_factory=list)  # bearer keys; env BLINK_API_KEY adds one
+    # A connection must send a whole request head within this long of opening, or of its last
+    # response (so it is also the idle keep-alive limit); then it is closed.
+    header_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+    body_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)  # the whole body, once its head is in; 408
 
     @field_validator("transport")
     @classmethod

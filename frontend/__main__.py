@@ -58,7 +58,7 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if parent_pid is not None:
         watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(stop.set))
-    from blink_appliance.frontend.app import create_app
+    from blink_appliance.frontend.app import create_app, runner_for
     from blink_appliance.frontend.auth import configured_keys
     from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
     from blink_appliance.frontend.metrics import ServingMetrics
@@ -117,10 +117,11 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
         service,
         api_keys=configured_keys(fe.api_keys),
         max_request_bytes=fe.max_request_bytes,
+        body_timeout_s=fe.body_timeout_s,
         telemetry=telemetry,
     )
     # handler_cancellation: a client that disconnects cancels its handler, hence its request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = runner_for(app, header_timeout_s=fe.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, fe.host, fe.port, backlog=1024)
     try:

@@ -58,6 +58,7 @@ def create_app(
     *,
     api_keys: tuple[str, ...] = (),
     max_request_bytes: int = 1 << 20,
+    body_timeout_s: float = 30.0,
     telemetry: TelemetrySource | None = None,
 ) -> web.Application:
     app = web.Application(
@@ -65,6 +66,7 @@ def create_app(
     )
     app[handlers.SERVICE] = service
     app[handlers.STARTED_AT] = now_s()
+    app[handlers.BODY_TIMEOUT_S] = body_timeout_s
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.list_models)
@@ -77,3 +79,15 @@ def create_app(
 
         add_telemetry_routes(app, telemetry)
     return app
+
+
+def runner_for(app: web.Application, *, header_timeout_s: float) -> web.AppRunner:
+    """The runner the front end serves `app` with. handler_cancellation: a client that disconnects
+    cancels its handler, hence its request. keepalive_timeout is aiohttp's timer from a connection's
+    start (and from each response's end) to its next whole request head: a client that trickles its
+    head, or idles, is closed at it. lingering_time: after an early reply (a 408, a 413) the rest of
+    a body is read for 2 s, not aiohttp's 10, so a trickling client lets go soon after its 408."""
+    return web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+        keepalive_timeout=header_timeout_s, lingering_time=2.0,
+    )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = web.AppKey("completion_service", CompletionService)
 STARTED_AT = web.AppKey("started_at", int)
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -39,7 +41,13 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: aiohttp raises 413, the error middleware shapes it
+    limit = request.app[BODY_TIMEOUT_S]
+    try:  # over client_max_size: aiohttp raises 413, the error middleware shapes it
+        raw = await asyncio.wait_for(request.read(), limit)
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {limit:g} s", code="request_timeout"
+        ) from None
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:

@@ -49,7 +49,9 @@ async def test_a_1_mib_chat_message_leaves_the_event_loop_free(smollm2_gguf_path
         ScriptedEngine(), tok, lambda t, p: IncrementalDetokenizer(t, prompt_ids=p), limits, metrics
     )
     content = "hello world, " * ((1 << 20) // 13)
-    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": content}]})
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": content}]}
+    )
     prep, took, max_gap = await _prepare_with_ticker(service, req)
     templated = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     assert prep.prompt_ids == tok.backend.encode(templated, add_special_tokens=False).ids  # the same ids
