@@ -12,6 +12,7 @@ import time
 from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
 from blink_appliance.frontend.metrics import ServingMetrics
 from blink_appliance.frontend.openai_schema import ChatCompletionRequest
+
 from blink_appliance.model.detokenizer import IncrementalDetokenizer
 from blink_appliance.model.tokenizer import Tokenizer
 from tests.test_http_stream_faults import ScriptedEngine

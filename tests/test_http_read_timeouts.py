@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 from blink_appliance.frontend.app import create_app, runner_for
+
 from blink_appliance.profile import parse_profile
 
 
