@@ -265,3 +265,30 @@ async def test_frontend_death_mid_stream_is_reclaimed_by_the_engine():
         events = [e async for e in client.stream(client.submit([1, 2], SamplingParams(max_tokens=2)))]
         assert events[-1].finish_reason is FinishReason.LENGTH
         await client.close()
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+async def test_streams_finish_while_every_core_is_busy():
+    """A busy process on every core (what real neighbours do): no false engine death, no lost stream."""
+    stop = CTX.Event()
+    hogs = [CTX.Process(target=_spin, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 2)]
+    with shm_region(SMALL) as transport:
+        client = EngineClient.attach(transport, SMALL)
+        await client.start()
+        with engine_process(transport.name, SMALL, "counter-slow") as _:
+            await wait_alive(client)
+            for hog in hogs:
+                hog.start()
+            try:
+                streams = await _open_streams(client, 8, 30)
+                ends = await asyncio.wait_for(_last_events(streams), 120)
+            finally:
+                stop.set()
+                for hog in hogs:
+                    hog.join(10)
+        assert [e.finish_reason for e in ends] == [FinishReason.LENGTH] * 8, [e.error for e in ends]
+        await client.close()
