@@ -23,11 +23,12 @@ from aiohttp import web
 from blink_appliance.frontend.app import create_app, runner_for
 from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
 from blink_appliance.frontend.metrics import ServingMetrics
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
 from blink_appliance.model.detokenizer import IncrementalDetokenizer
 from blink_appliance.model.tokenizer import Tokenizer
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("BLINK_FUZZ_EXAMPLES", "2000"))
 MODEL = "fuzz"
