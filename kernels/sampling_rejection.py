@@ -27,7 +27,6 @@ import triton.language as tl
 from blink_appliance.kernels.sampling import GAMMA, _exp, _log, _mix
 from triton.language.extra import libdevice
 
-DONE, RACE, TEST = 0, 1, 2
 FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
 
 

@@ -443,3 +443,24 @@ async def test_a_stray_engine_state_write_is_put_back_and_no_stream_fails():
             ]
             assert server._lifecycle.heartbeat.repairs >= 2
             assert client.engine_alive
+
+
+async def test_records_from_another_writer_do_not_desync_the_client():
+    """Issue 20 defect 7: a record published by another writer moved the ring's head past the
+    client's; the client's next record went where the engine never reads, and hung."""
+    from tests.ring_support import RawProducer
+
+    engine = CounterEngine(step_delay_s=0.001)
+    with shm_region() as transport, server_thread(engine, transport) as server:
+        async with client_for(transport) as client:
+            first = [e async for e in client.stream(client.submit([4], SamplingParams(max_tokens=3)))]
+            stray = RawProducer(server.region)
+            stray.next_slot = SMALL.max_inflight - 1  # a slot the client has not used yet
+            stray.publish([9, 9])
+            events = await asyncio.wait_for(_collect(client, [5], 3), 10)
+            assert [e.finish_reason for e in first] == [e.finish_reason for e in events]
+            assert client.telemetry()["foreign_records"] == 1
+
+
+async def _collect(client: EngineClient, prompt: list[int], max_tokens: int) -> list:
+    return [e async for e in client.stream(client.submit(prompt, SamplingParams(max_tokens=max_tokens)))]

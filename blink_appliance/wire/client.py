@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from blink_appliance.wire.ring_layout import (
     RingGeometry,
 )
 from blink_appliance.wire.transport import Transport
+
+log = logging.getLogger(__name__)
 
 # How long the engine's heartbeat may stand still before its open streams fail (docs/reliability.md).
 # A stall shorter than this (a busy host, a stopped process that resumes) makes streams wait; an engine
@@ -75,6 +78,7 @@ class EngineClient:
         # writer; seen once on the H100): wait this long for them, then fail the stream.
         self.payload_timeout_ns = int(payload_timeout_s * 1e9)
         self.payload_waits = 0  # waits begun so (telemetry: any is an engine write-ordering bug)
+        self.foreign_records = 0  # records another writer published on our ring (telemetry)
         self._active_ns = 0  # last submit or delivered event
         self._nap_future: asyncio.Future[None] | None = None
         n = self.geometry.max_inflight
@@ -160,6 +164,7 @@ class EngineClient:
         if not self.engine_alive:
             raise EngineDeadError(f"engine is not running ({self._why_dead()})")
         r = self.region
+        self._resync_head()
         if not self._free:
             raise EngineBusyError(f"all {g.max_inflight} in-flight slots are taken")
         if self._head - r.load("req_tail") >= g.request_slots:
@@ -226,6 +231,22 @@ class EngineClient:
                 self.cancel(request_id)
             self._by_id.pop(request_id, None)
 
+    def _resync_head(self) -> None:
+        """We are the ring's only producer; if its words moved past ours anyway (a second front end
+        on this region, a stray writer), take them: records published at our stale head would sit
+        where the engine never reads, and every later request would hang behind them."""
+        r = self.region
+        ring_head, arena_head = r.load("req_head"), r.load("arena_head")
+        if ring_head > self._head:
+            log.error("%d request records were published by another writer; continuing after them",
+                      ring_head - self._head)  # fmt: skip
+            self.foreign_records += ring_head - self._head
+            self._head = ring_head
+        elif ring_head < self._head:  # rewound under us: the engine must see our records
+            r.doorbell("req_head", self._head)
+        if arena_head > self._arena_head:
+            self._arena_head = arena_head
+
     def abandon(self, request_id: int) -> None:
         """Cancel a request whose stream was never opened, and forget it: its events go nowhere."""
         self.cancel(request_id)
@@ -280,6 +301,7 @@ class EngineClient:
             arena_used=self._arena_head - r.load("arena_tail"),
             arena_capacity=self.geometry.arena_tokens,
             payload_waits=self.payload_waits,
+            foreign_records=self.foreign_records,
         )
         return values
 
