@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.kv_blocks import push_blocks
+from blink_appliance.kernels.kv_blocks import push_blocks, push_blocks_each
 from blink_appliance.kernels.ring_access import fence_sys, now_ns, store_release
 
 
@@ -212,7 +212,7 @@ def _close_slots(
     store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=publish)
 
     top += _release_blocks(
-        d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
+        d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B, EACH=True
     )
     tl.store(slot_state_ptr + d, tl.full([BLOCK_D], SLOT.FREE, tl.int32), mask=closing)
     tl.store(finish_reason_ptr + d, tl.zeros_like(why), mask=closing)
@@ -225,13 +225,21 @@ def _close_slots(
 @triton.jit
 def _release_blocks(
     slots, release, base, block_table_ptr, num_blocks_ptr, free_blocks_ptr,
-    MAX_BLOCKS: tl.constexpr, BLOCK_B: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr, BLOCK_B: tl.constexpr, EACH: tl.constexpr = False,
 ):  # fmt: skip
     """Push the block tables of `slots` where `release` onto the free stack from position `base` on,
     one slot after the other in lane order, each table in reverse; clear the tables. Returns the
-    number of blocks pushed."""
+    number of blocks pushed. EACH: `slots` is slot-wide and few release (push_blocks_each)."""
     nb = tl.where(release, tl.load(num_blocks_ptr + slots, mask=release, other=0), 0)
     start = base + tl.cumsum(nb, 0) - nb
-    push_blocks(release, nb, start, slots.to(tl.int64), block_table_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B)
+    if EACH:
+        push_blocks_each(
+            release, nb, start, slots.to(tl.int64), tl.arange(0, slots.shape[0]), block_table_ptr, free_blocks_ptr,
+            MAX_BLOCKS, BLOCK_B,
+        )  # fmt: skip
+    else:
+        push_blocks(
+            release, nb, start, slots.to(tl.int64), block_table_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
+        )
     tl.store(num_blocks_ptr + slots, tl.zeros_like(nb), mask=release)
     return tl.sum(nb, 0)

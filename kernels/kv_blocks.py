@@ -33,6 +33,31 @@ def push_blocks(
 
 
 @triton.jit
+def push_blocks_each(
+    release, count, base, slot, lane, block_table_ptr, free_blocks_ptr, MAXB: tl.constexpr, BLOCK_J: tl.constexpr
+):  # fmt: skip
+    """push_blocks for a vector of many lanes of which few release (a slot-wide vector): one
+    releasing lane after the other, in lane order, with [BLOCK_J] tiles. The [lanes x BLOCK_J] tile of
+    push_blocks over 4096 slots took ptxas minutes to compile (bench/compile_time.py)."""
+    count = tl.where(release, count, 0)
+    jj = tl.arange(0, BLOCK_J)
+    remaining = release
+    for _ in range(0, tl.sum(release.to(tl.int32), 0)):
+        first = lane == tl.min(tl.where(remaining, lane, 2**31 - 1), 0)
+        s = tl.sum(tl.where(first, slot, 0), 0)
+        c = tl.sum(tl.where(first, count, 0), 0)
+        b = tl.sum(tl.where(first, base, 0), 0)
+        for j0 in range(0, c, BLOCK_J):
+            j = j0 + jj
+            m = j < c
+            entry = block_table_ptr + s * MAXB + (c - 1 - j)
+            blocks = tl.load(entry, mask=m, other=-1)
+            tl.store(free_blocks_ptr + b + j, blocks, mask=m)
+            tl.store(entry, tl.full(blocks.shape, -1, tl.int32), mask=m)
+        remaining = remaining & ~first
+
+
+@triton.jit
 def pop_blocks(
     take, count, offset, slot, num_blocks, top, block_table_ptr, free_blocks_ptr,
     MAXB: tl.constexpr, BLOCK_J: tl.constexpr,
