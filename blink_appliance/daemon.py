@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from blink_appliance.processes import set_on_signals
 from blink_appliance.profile import Profile, ProfileError, ring_geometry
+from blink_appliance.wire.client import ENGINE_STALL_LIMIT_S
 from blink_appliance.wire.lifecycle import mark_engine_exited
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ class _Child:
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM, wait, SIGKILL if it does not go; returns the exit code."""
         if self.proc is None or self.proc.poll() is not None:
@@ -95,6 +100,24 @@ class _Child:
             say(f"{self.name} did not stop within {timeout_s:.0f}s; killing it")
             self.proc.kill()
             return self.proc.wait()
+
+
+class HeartbeatWatch:
+    """The engine's heartbeat word through the daemon's own clock: how long it has stood still."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._value: int | None = None
+        self._since = 0.0
+
+    def stuck_for(self, region: RingRegion) -> float | None:
+        """Seconds the heartbeat has not moved, once that is past the limit; else None."""
+        value, now = region.load("engine_heartbeat_ns"), time.monotonic()
+        if value != self._value:
+            self._value, self._since = value, now
+            return None
+        still = now - self._since
+        return still if still > self.limit_s else None
 
 
 class ApplianceDaemon:
@@ -128,6 +151,9 @@ class ApplianceDaemon:
             fe_argv += ["--port", str(port)]
         self.frontend = _Child("frontend", fe_argv)
         self.url: str | None = None
+        # An engine alive but stuck: the front end fails its streams at the stall limit, and the
+        # daemon then kills it so that the restart below serves again.
+        self.engine_watch = HeartbeatWatch(ENGINE_STALL_LIMIT_S)
 
     # -- the whole life ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -211,6 +237,10 @@ class ApplianceDaemon:
                 mark_engine_exited(region)
                 say(f"engine exited with code {code}; its in-flight requests were failed")
                 self._restart(self.engine, lambda: self._start_engine(region))
+                self.engine_watch = HeartbeatWatch(self.engine_watch.limit_s)  # a full window for the new one
+            elif (stuck := self.engine_watch.stuck_for(region)) is not None:
+                say(f"engine heartbeat stood still for {stuck:.0f} s; killing it (pid {self.engine.pid})")
+                self.engine.kill()  # the next round sees the exit: FAILED, then a restart
             code = self.frontend.exited()
             if code is not None:
                 say(f"front end exited with code {code}")

@@ -4,6 +4,7 @@ one (issue 20, defects 4 and 6)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from blink_appliance.daemon import ApplianceDaemon
@@ -23,6 +24,7 @@ class StandInEngine:
         self.restarts: list[float] = []
         self.started_with: list[tuple[int, int]] = []  # (shutdown, engine_state) at each start
         self.code: int | None = None
+        self.kills = 0
 
     def start(self) -> None:
         self.started_with.append((self.region.load("shutdown"), self.region.load("engine_state")))
@@ -32,6 +34,12 @@ class StandInEngine:
 
     def exited(self) -> int | None:
         return self.code
+
+    pid = 4242
+
+    def kill(self) -> None:
+        self.kills += 1
+        self.code = -9
 
 
 def daemon_with(region: RingRegion, tmp_path: Path) -> tuple[ApplianceDaemon, StandInEngine]:
@@ -64,6 +72,40 @@ def test_an_engine_that_exited_is_marked_failed_before_the_next_one_starts(tmp_p
         daemon._workdir.rmdir()
 
 
-def _once_then_stop(daemon: ApplianceDaemon):
-    rounds = iter([False, True])
-    return lambda timeout=None: next(rounds)
+def _once_then_stop(daemon: ApplianceDaemon, rounds: int = 1, pause_s: float = 0.0):
+    results = iter([False] * rounds + [True])
+
+    def wait(timeout=None) -> bool:
+        time.sleep(pause_s)
+        return next(results)
+
+    return wait
+
+
+def test_an_engine_alive_but_stuck_is_killed_and_restarted(tmp_path):
+    """Its heartbeat stands still past the stall limit while the process lives (a hung engine):
+    the daemon kills it, marks it FAILED and starts the next one."""
+    with shm_region(SMALL) as transport:
+        region = RingRegion.attach(transport, SMALL)
+        daemon, engine = daemon_with(region, tmp_path)
+        daemon.engine_watch.limit_s = 0.3
+        daemon._start_engine(region)  # the stand-in never beats
+        daemon._stop.wait = _once_then_stop(daemon, rounds=12, pause_s=0.05)
+        daemon._supervise(region)
+        assert engine.kills >= 1
+        assert engine.started_with[1] == (0, EngineState.FAILED)
+        daemon._workdir.rmdir()
+
+
+def test_a_heartbeat_that_moves_is_never_stuck():
+    from blink_appliance.daemon import HeartbeatWatch
+
+    with shm_region(SMALL) as transport:
+        region = RingRegion.attach(transport, SMALL)
+        watch = HeartbeatWatch(0.05)
+        for beat in range(1, 6):
+            region.store("engine_heartbeat_ns", beat)
+            assert watch.stuck_for(region) is None
+            time.sleep(0.03)
+        time.sleep(0.1)
+        assert watch.stuck_for(region) > 0.05
