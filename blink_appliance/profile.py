@@ -147,6 +147,9 @@ class FrontendSection(_Section):
     # response (so it is also the idle keep-alive limit); then it is closed.
     header_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
     body_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)  # the whole body, once its head is in; 408
+    # A request not finished this long after it was accepted is cancelled; its stream ends with an
+    # error event (0: no limit). OpenAI's own clients give up after 600 s.
+    request_timeout_s: float = Field(default=600.0, ge=0.0)
 
     @field_validator("transport")
     @classmethod

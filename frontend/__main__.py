@@ -75,7 +75,7 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     tokenizer = await asyncio.to_thread(serving_tokenizer, m.model_source)
     geometry = ring_geometry(profile)
     transport = ShmTransport.open(profile.appliance.shm_name)
-    client = EngineClient.attach(transport, geometry)
+    client = EngineClient.attach(transport, geometry, request_timeout_s=fe.request_timeout_s)
     await client.start()
 
     def appliance_processes() -> dict[str, int | None]:

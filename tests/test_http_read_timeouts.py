@@ -69,4 +69,9 @@ def test_the_timeouts_are_profile_keys():
         {"models": [model], "frontend": {"header_timeout_s": 5, "body_timeout_s": 7}}, origin="t"
     )
     assert (fe.frontend.header_timeout_s, fe.frontend.body_timeout_s) == (5.0, 7.0)
-    assert parse_profile({"models": [model]}, origin="t").frontend.body_timeout_s == 30.0
+    defaults = parse_profile({"models": [model]}, origin="t").frontend
+    assert (defaults.header_timeout_s, defaults.body_timeout_s, defaults.request_timeout_s) == (
+        15.0,
+        30.0,
+        600.0,
+    )

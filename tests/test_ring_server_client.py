@@ -464,3 +464,20 @@ async def test_records_from_another_writer_do_not_desync_the_client():
 
 async def _collect(client: EngineClient, prompt: list[int], max_tokens: int) -> list:
     return [e async for e in client.stream(client.submit(prompt, SamplingParams(max_tokens=max_tokens)))]
+
+
+async def test_a_request_past_its_timeout_is_cancelled_and_its_stream_ends_with_an_error():
+    """Issue 20: the front end's per-request timeout (frontend.request_timeout_s)."""
+    engine = CounterEngine(step_delay_s=0.05)  # 60 tokens would take 3 s
+    with shm_region() as transport, server_thread(engine, transport):
+        async with client_for(transport, request_timeout_s=0.3) as client:
+            start = time.monotonic()
+            events = await asyncio.wait_for(_collect(client, [4], 60), 10)
+            assert events[-1].finish_reason is FinishReason.ERROR, events[-1]
+            assert "request timed out after 0.3 s" in events[-1].error
+            assert time.monotonic() - start < 5
+            assert sum(1 for e in events if e.finish_reason is not None) == 1
+            deadline = time.monotonic() + 5  # the engine got the cancel: the slot comes back
+            while len(client._free) < SMALL.max_inflight:
+                assert time.monotonic() < deadline, "the timed-out request was not cancelled"
+                await asyncio.sleep(0.01)

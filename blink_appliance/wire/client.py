@@ -38,6 +38,7 @@ ENGINE_STALL_LIMIT_S = 10.0
 # How long engine_state must read other than RUNNING, after it read RUNNING, before the engine counts
 # as gone: a live engine puts a stray write back within a heartbeat (wire/lifecycle.py Heartbeat.hold).
 STATE_GRACE_S = 0.25
+TIMEOUT_CHECK_NS = 100_000_000  # how often the pump looks for requests past their deadline
 
 
 class EngineBusyError(Exception):
@@ -55,6 +56,7 @@ class _Pending:
     generation: int
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     terminated: bool = False  # the stream already got its terminal event (maybe a local one)
+    deadline_ns: int = 0  # when the request times out (0: never)
     payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
 
 
@@ -64,6 +66,7 @@ class EngineClient:
         region: RingRegion,
         *,
         stall_limit_s: float = ENGINE_STALL_LIMIT_S,
+        request_timeout_s: float = 0.0,
         poll_interval_s: float = 0.0005,
         spin_s: float = 0.0005,
         payload_timeout_s: float = 1.0,
@@ -71,6 +74,10 @@ class EngineClient:
         self.region = region
         self.geometry = region.geometry
         self.stall_limit_ns = int(stall_limit_s * 1e9)
+        # A request not finished this long after its submit is cancelled and ends with an error
+        # event (0: no limit); checked by the pump every TIMEOUT_CHECK_NS.
+        self.request_timeout_ns = int(request_timeout_s * 1e9)
+        self._timeouts_checked_ns = 0
         self.poll_interval_s = poll_interval_s
         # After activity, poll without sleeping this long: asyncio sleeps round up to 1 ms.
         self.spin_ns = int(spin_s * 1e9)
@@ -205,6 +212,8 @@ class EngineClient:
         self._active_ns = time.monotonic_ns()
         self._wake()  # the pump spins again while this request is young
         pending = _Pending(request_id, slot, generation)
+        if self.request_timeout_ns:
+            pending.deadline_ns = time.monotonic_ns() + self.request_timeout_ns
         self._by_id[request_id] = pending
         self._by_slot[slot] = pending
         self._tracked_gen[slot] = generation
@@ -314,6 +323,9 @@ class EngineClient:
                 self._active_ns = now
             if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
                 self._fail_pending(f"engine is dead: {self._why_dead()}")
+            if self.request_timeout_ns and now - self._timeouts_checked_ns > TIMEOUT_CHECK_NS:
+                self._timeouts_checked_ns = now
+                self._fail_late(now)
             if bool(self._by_slot) and now - self._active_ns < self.spin_ns:
                 await asyncio.sleep(0)
             else:
@@ -440,6 +452,14 @@ class EngineClient:
         if not pending.terminated:
             pending.queue.put_nowait(TokenEvent(pending.request_id, None, reason, error, time.monotonic_ns()))
             pending.terminated = True
+
+    def _fail_late(self, now: int) -> None:
+        """Requests past their deadline: cancel them in the engine and end their streams now."""
+        for pending in self._by_id.values():
+            if not pending.terminated and 0 < pending.deadline_ns <= now:
+                self.region.store_ctl(pending.slot, "cancel", pending.generation)
+                limit = self.request_timeout_ns / 1e9
+                self._terminate_locally(pending, FinishReason.ERROR, f"request timed out after {limit:g} s")
 
     def _fail_pending(self, error: str) -> None:
         """Engine gone: end every open stream now; the slots come back when an engine finishes them."""
