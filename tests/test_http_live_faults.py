@@ -145,3 +145,48 @@ async def test_zz_engine_crash_fails_inflight_then_recovers(live):
         await asyncio.sleep(0.5)
     assert r["usage"]["completion_tokens"] >= 1
     assert live.child("blink_appliance.engine.process").pid != engine.pid
+
+
+async def test_zzz_frontend_crash_is_restarted_and_serves_again(live):
+    """Runs last (name): SIGKILL of the front end mid-stream. Its clients lose their connections (no
+    terminal event can reach them: docs/reliability.md says they retry); the daemon starts a new
+    front end, which serves new requests (that it cancels the orphan: tests/test_ring_server_client.py)."""
+    import re
+
+    frontend = live.child("blink_appliance.frontend")
+    body = completion_request("Write a poem.", max_tokens=300, ignore_eos=True)
+    streamed: list[bytes] = []
+
+    async def streaming() -> None:
+        async with aiohttp.ClientSession(headers=live.headers) as s:
+            async with s.post(live.url + "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.content:
+                    streamed.append(line)
+
+    stream_task = asyncio.create_task(streaming())
+    while len(streamed) < 3:
+        await asyncio.sleep(0.05)
+    frontend.send_signal(signal.SIGKILL)
+    with pytest.raises(aiohttp.ClientError):
+        await asyncio.wait_for(stream_task, 30)
+    assert b"data: [DONE]\n" not in streamed
+    deadline = time.monotonic() + 120
+    pattern = re.compile(r"front end serving \S+ on (http://\S+)")
+    while True:  # the daemon's restart logs its new front end's URL (port 0: a new port)
+        urls = pattern.findall(live.log_path.read_text(errors="replace"))
+        if len(urls) >= 2:
+            break
+        assert time.monotonic() < deadline, live.log()
+        await asyncio.sleep(0.2)
+    live.url = urls[-1]
+    while True:
+        try:
+            status, r, _ = await post_json(live, "/v1/completions", completion_request("Hello", max_tokens=2))
+        except aiohttp.ClientError:
+            status, r = 0, None
+        if status == 200:
+            break
+        assert time.monotonic() < deadline, live.log()
+        await asyncio.sleep(0.5)
+    assert r["usage"]["completion_tokens"] >= 1
+    assert live.child("blink_appliance.frontend").pid != frontend.pid

@@ -481,3 +481,20 @@ async def test_a_request_past_its_timeout_is_cancelled_and_its_stream_ends_with_
             while len(client._free) < SMALL.max_inflight:
                 assert time.monotonic() < deadline, "the timed-out request was not cancelled"
                 await asyncio.sleep(0.01)
+
+
+async def test_a_new_front_end_cancels_the_requests_its_dead_predecessor_left_open():
+    """A front end killed and restarted within the engine's front-end timeout: its old requests
+    have no client, so the new one cancels them at once instead of letting them run to the end."""
+    engine = CounterEngine(step_delay_s=0.05)  # 60 tokens would take 3 s
+    with shm_region() as transport, server_thread(engine, transport, frontend_timeout_s=600):
+        dead = EngineClient.attach(transport, SMALL)
+        await dead.start()
+        ids = [dead.submit([6], SamplingParams(max_tokens=60)) for _ in range(4)]
+        dead._pump.cancel()  # the process died: no close(), no cancels
+        async with client_for(transport) as fresh:
+            start = time.monotonic()
+            while len(fresh._free) < SMALL.max_inflight:
+                assert time.monotonic() - start < 2.0, "the dead front end's requests were not cancelled"
+                await asyncio.sleep(0.01)
+            assert len(ids) == 4

@@ -116,8 +116,9 @@ class EngineClient:
         r.store("frontend_heartbeat_ns", time.monotonic_ns())
         self._head, self._arena_head = r.load("req_head"), r.load("arena_head")
         self._next_id = max(r.load("next_request_id"), 1)
-        # A slot is ours again once the engine finished its last generation; slots a previous
-        # front end left open stay tracked (no stream) until the engine reclaims them.
+        # A slot is ours again once the engine finished its last generation. Slots a previous
+        # front end left open have no client any more: cancel them (the engine would otherwise
+        # generate them to the end, or wait for its front-end timeout), and track them until done.
         ctl, prog = r.ctl_table(), r.progress_table()
         for slot in range(self.geometry.max_inflight):
             gen = int(ctl["generation"][slot])
@@ -125,6 +126,7 @@ class EngineClient:
                 self._free.append(slot)
             else:
                 self._tracked_gen[slot] = gen
+                r.store_ctl(slot, "cancel", gen)
         self._beat_value = r.load("engine_heartbeat_ns")
         self._beat_seen_ns = time.monotonic_ns() - self.stall_limit_ns - 1
         self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="engine-client-pump")
