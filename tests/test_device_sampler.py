@@ -211,7 +211,9 @@ def test_cost_at_llama3_vocab_and_64_rows(capsys):
     buf = logits.to(DEVICE)
     sampler = DeviceSampler(state, buf)
     timings = {}
-    for name, fn in (("greedy", sampler.greedy), ("full", sampler.full)):
+    # The full variant on a random mix with top_k past the 256 candidates (its slow path); the
+    # rejection variant's costs are bench/sampler_profile.py's.
+    for name, fn in (("greedy", sampler.greedy), ("full, mixed incl. top_k > 256", sampler.full)):
         fn()  # compile, warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -240,6 +242,15 @@ def test_cost_at_llama3_vocab_and_64_rows(capsys):
     end.record()
     torch.cuda.synchronize()
     timings["full, every row exact-cut"] = start.elapsed_time(end) * 1000
+    assert torch.equal(state.sampled.cpu(), reference(buf.cpu(), flat, index))
+    # The same rows as schedule sends them (no top-k): the rejection variant.
+    sampler.rejection()
+    torch.cuda.synchronize()
+    start.record()
+    sampler.rejection()
+    end.record()
+    torch.cuda.synchronize()
+    timings["rejection, the same rows"] = start.elapsed_time(end) * 1000
     assert torch.equal(state.sampled.cpu(), reference(buf.cpu(), flat, index))
     with capsys.disabled():
         print(f"\nDeviceSampler at V={vocab}, S={rows} ({torch.cuda.get_device_name()}):")
