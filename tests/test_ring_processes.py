@@ -188,35 +188,39 @@ async def test_engine_exit_marked_by_its_supervisor_fails_streams_at_once_and_a_
         await client.close()
 
 
+@contextlib.asynccontextmanager
+async def slow_engine_and_client(**options):
+    """A started client and a live "counter-slow" engine process on a fresh region."""
+    with shm_region(SMALL) as transport:
+        client = EngineClient.attach(transport, SMALL, **options)
+        await client.start()
+        try:
+            with engine_process(transport.name, SMALL, "counter-slow") as proc:
+                await wait_alive(client)
+                yield client, proc
+        finally:
+            await client.close()
+
+
 async def test_an_engine_stopped_for_longer_than_the_old_heartbeat_limit_loses_no_stream():
     """SIGSTOP for 1.5 s (a host under load, a debugger): the streams wait and then finish."""
-    with shm_region(SMALL) as transport:
-        client = EngineClient.attach(transport, SMALL)
-        await client.start()
-        with engine_process(transport.name, SMALL, "counter-slow") as proc:
-            await wait_alive(client)
-            streams = await _open_streams(client, 6, 20)
-            os.kill(proc.pid, signal.SIGSTOP)
-            await asyncio.sleep(1.5)
-            os.kill(proc.pid, signal.SIGCONT)
-            ends = await _last_events(streams)
-        assert [e.finish_reason for e in ends] == [FinishReason.LENGTH] * 6, [e.error for e in ends]
-        await client.close()
+    async with slow_engine_and_client() as (client, proc):
+        streams = await _open_streams(client, 6, 20)
+        os.kill(proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(1.5)
+        os.kill(proc.pid, signal.SIGCONT)
+        ends = await _last_events(streams)
+    assert [e.finish_reason for e in ends] == [FinishReason.LENGTH] * 6, [e.error for e in ends]
 
 
 async def test_an_engine_stuck_past_the_stall_limit_fails_its_streams():
-    with shm_region(SMALL) as transport:
-        client = EngineClient.attach(transport, SMALL, stall_limit_s=0.5)
-        await client.start()
-        with engine_process(transport.name, SMALL, "counter-slow") as proc:
-            await wait_alive(client)
-            streams = await _open_streams(client, 3, 60)
-            os.kill(proc.pid, signal.SIGSTOP)
-            ends = await asyncio.wait_for(_last_events(streams), 30)
-            os.kill(proc.pid, signal.SIGKILL)
-        for event in ends:
-            assert event.finish_reason is FinishReason.ERROR and "heartbeat last advanced" in event.error
-        await client.close()
+    async with slow_engine_and_client(stall_limit_s=0.5) as (client, proc):
+        streams = await _open_streams(client, 3, 60)
+        os.kill(proc.pid, signal.SIGSTOP)
+        ends = await asyncio.wait_for(_last_events(streams), 30)
+        os.kill(proc.pid, signal.SIGKILL)
+    for event in ends:
+        assert event.finish_reason is FinishReason.ERROR and "heartbeat last advanced" in event.error
 
 
 def frontend_main(name: str, geometry: RingGeometry, ready) -> None:
@@ -276,19 +280,14 @@ async def test_streams_finish_while_every_core_is_busy():
     """A busy process on every core (what real neighbours do): no false engine death, no lost stream."""
     stop = CTX.Event()
     hogs = [CTX.Process(target=_spin, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 2)]
-    with shm_region(SMALL) as transport:
-        client = EngineClient.attach(transport, SMALL)
-        await client.start()
-        with engine_process(transport.name, SMALL, "counter-slow") as _:
-            await wait_alive(client)
+    async with slow_engine_and_client() as (client, _):
+        for hog in hogs:
+            hog.start()
+        try:
+            streams = await _open_streams(client, 8, 30)
+            ends = await asyncio.wait_for(_last_events(streams), 120)
+        finally:
+            stop.set()
             for hog in hogs:
-                hog.start()
-            try:
-                streams = await _open_streams(client, 8, 30)
-                ends = await asyncio.wait_for(_last_events(streams), 120)
-            finally:
-                stop.set()
-                for hog in hogs:
-                    hog.join(10)
-        assert [e.finish_reason for e in ends] == [FinishReason.LENGTH] * 8, [e.error for e in ends]
-        await client.close()
+                hog.join(10)
+    assert [e.finish_reason for e in ends] == [FinishReason.LENGTH] * 8, [e.error for e in ends]
