@@ -200,8 +200,10 @@ class ApplianceDaemon:
         self.engine.start()
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while not self._stop.is_set():
-            state = region.load("engine_state")
-            if region.load("engine_epoch") > epoch and state == EngineState.RUNNING:
+            # Ours once it took a new epoch with its own pid: "greater than" would never hold after a
+            # corrupt epoch word wrapped (begin_epoch), and the daemon would give up on a live engine.
+            ours = region.load("engine_pid") == self.engine.pid and region.load("engine_epoch") != epoch
+            if ours and region.load("engine_state") == EngineState.RUNNING:
                 say("engine is serving")
                 return
             code = self.engine.exited()

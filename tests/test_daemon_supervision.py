@@ -4,11 +4,13 @@ one (issue 20, defects 4 and 6)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from blink_appliance.daemon import ApplianceDaemon
 from blink_appliance.profile import parse_profile
+from blink_appliance.wire.lifecycle import begin_epoch
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.ring_layout import EngineState
 from tests.ring_support import SMALL, shm_region
@@ -28,14 +30,14 @@ class StandInEngine:
 
     def start(self) -> None:
         self.started_with.append((self.region.load("shutdown"), self.region.load("engine_state")))
-        self.region.store("engine_epoch", self.region.load("engine_epoch") + 1)
+        begin_epoch(self.region)  # what every engine does first (our pid stands in for the child's)
         self.region.store("engine_state", EngineState.RUNNING)
         self.code = None
 
     def exited(self) -> int | None:
         return self.code
 
-    pid = 4242
+    pid = os.getpid()
 
     def kill(self) -> None:
         self.kills += 1
@@ -109,3 +111,15 @@ def test_a_heartbeat_that_moves_is_never_stuck():
             time.sleep(0.03)
         time.sleep(0.1)
         assert watch.stuck_for(region) > 0.05
+
+
+def test_a_corrupt_epoch_word_does_not_stop_the_daemon(tmp_path):
+    """Issue 20 defect 6 (random bytes over the region): an epoch word at its maximum overflowed the
+    engine's start, and "epoch greater than before" never held again; the daemon gave up."""
+    with shm_region(SMALL) as transport:
+        region = RingRegion.attach(transport, SMALL)
+        daemon, engine = daemon_with(region, tmp_path)
+        region.store("engine_epoch", 2**64 - 1)
+        daemon._start_engine(region)  # returns once the engine serves
+        assert region.load("engine_epoch") == 1 and len(engine.started_with) == 1
+        daemon._workdir.rmdir()

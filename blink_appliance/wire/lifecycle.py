@@ -38,7 +38,7 @@ def mark_engine_exited(region: RingRegion) -> None:
 def begin_epoch(region: RingRegion) -> int:
     """Take the region: state STARTING, epoch + 1, our pid. Returns the new epoch."""
     region.store("engine_state", EngineState.STARTING)
-    epoch = region.load("engine_epoch") + 1
+    epoch = region.load("engine_epoch") % (2**64 - 1) + 1  # a corrupt word wraps, never overflows; never 0
     region.store("engine_epoch", epoch)
     region.store("engine_pid", os.getpid())
     return epoch
