@@ -90,20 +90,18 @@ def _write_hf_dir(directory: Path, *, drop: str | None = None, tokenizer: bool =
     return directory
 
 
-def test_check_of_a_missing_gguf_is_invalid_and_names_the_key(tmp_path, capsys, no_weight_load):
-    path = _profile(tmp_path, f"gguf:{tmp_path / 'missing.gguf'}")
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [("gguf:{}/missing.gguf", "GGUF file not found"), ("hf:{}/nowhere", "hf: model directory not found")],
+)
+def test_check_of_a_missing_model_is_invalid_and_names_the_key(
+    tmp_path, capsys, no_weight_load, source, error
+):
+    path = _profile(tmp_path, source.format(tmp_path))
     assert main(["check", str(path)]) == 2
     captured = capsys.readouterr()
     assert ": valid" not in captured.out
-    assert "invalid: models[0].source: GGUF file not found" in captured.err
-
-
-def test_check_of_a_missing_hf_directory_is_invalid(tmp_path, capsys, no_weight_load):
-    path = _profile(tmp_path, f"hf:{tmp_path / 'nowhere'}")
-    assert main(["check", str(path)]) == 2
-    captured = capsys.readouterr()
-    assert ": valid" not in captured.out
-    assert "invalid: models[0].source: hf: model directory not found" in captured.err
+    assert f"invalid: models[0].source: {error}" in captured.err
 
 
 def test_check_reads_a_gguf_header_without_loading_weights(tmp_path, capsys, no_weight_load):

@@ -27,6 +27,14 @@ def load_style(percent: float) -> str:
     return "red"
 
 
+def _share_line(label: str, cpu_percent: float | None, share_percent: float | None) -> Text:
+    """`label N cores (S%)`: a group's CPU and its share of the host's."""
+    return _line(
+        _label(label), (_cores(cpu_percent), "bold"), _label(" cores ("),
+        fmt.number(share_percent, "{:.1f}%"), _label(")"),
+    )  # fmt: skip
+
+
 def _line(*parts: tuple[str, str] | str) -> Text:
     """A line of (text, style) pairs; plain strings are values, labels come in dim."""
     return Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
@@ -316,13 +324,7 @@ class HostPanel(Vertical):
         word, style = interference_level(h.interference)
         lines = [
             _line(_label("total "), f"{h.cpu_percent_total:.0f}%", _label(f" of {cores} cores")),
-            _line(
-                _label("appliance "),
-                (_cores(h.appliance_cpu_percent), "bold"),
-                _label(" cores ("),
-                fmt.number(h.appliance_share_percent, "{:.1f}%"),
-                _label(")"),
-            ),
+            _share_line("appliance ", h.appliance_cpu_percent, h.appliance_share_percent),
         ]
         # Each process apart, so a missing one (an engine the sum leaves out) shows.
         for p in h.processes:
@@ -335,13 +337,7 @@ class HostPanel(Vertical):
                 )
             )
         lines += [
-            _line(
-                _label("others "),
-                (_cores(h.others_cpu_percent), "bold"),
-                _label(" cores ("),
-                fmt.number(h.others_share_percent, "{:.1f}%"),
-                _label(")"),
-            ),
+            _share_line("others ", h.others_cpu_percent, h.others_share_percent),
             _line(_label("run-queue wait "), fmt.number(h.runqueue_ms_per_s, "{:.0f} ms/s")),
             _line(_label("sched p50 "), fmt.us(h.sched_p50_us), _label(" p99 "), fmt.us(h.sched_p99_us)),
             _line(_label("interference "), (f"● {word}", style)),

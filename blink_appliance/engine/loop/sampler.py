@@ -113,6 +113,8 @@ class DeviceSampler:
         # follows its rows (state.num_sample_rows), not the loop's max_num_seqs.
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self.programs = programs_per_sm * sms
+        by_index = {SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection, SAMPLER_FULL: self.full}
+        self._variants = tuple(by_index[i] for i in range(len(by_index)))  # host mode looks one up per step
 
     # -- the two variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
@@ -186,8 +188,7 @@ class DeviceSampler:
 
     def variants(self) -> tuple[Callable[[], None], ...]:
         """The variants by sampler_index (kernels/sampling.py SAMPLER_*)."""
-        by_index = {SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection, SAMPLER_FULL: self.full}
-        return tuple(by_index[i] for i in range(len(by_index)))
+        return self._variants
 
     # -- host mode ----------------------------------------------------------------------------------
     def run(self) -> None:
