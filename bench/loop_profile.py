@@ -279,13 +279,23 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
         await client.start()
         clock = Clock(device, args.hold_ms)
         batches = sorted({min(b, geometry.max_num_seqs) for b in args.batches})
-        cases = [Case(b, s) for b in batches for s in (False, True)]
-        for case in cases:
-            out["cases"].append(result := await host_case(rig, client, clock, case, args, plen))
-            print(f"[{spec}] {case.name} at {time.monotonic() - t0:.0f} s: {json.dumps(result['median_ms'])}")
+        cases = [Case(b, s) for b in batches for s in (tuple(map(bool, args.sampled or (0, 1))))]
+        # Host-driven launches read these two per step; the loop's captured graph keeps its own.
+        knobs = [
+            (w, r)
+            for w in args.schedule_warps or [rig.step.scheduler.num_warps]
+            for r in args.rejection_rounds or [rig.step.sampler.rejection_rounds]
+        ]
+        for warps, rounds in knobs:
+            rig.step.scheduler.num_warps, rig.step.sampler.rejection_rounds = warps, rounds
+            for case in cases:
+                result = await host_case(rig, client, clock, case, args, plen)
+                out["cases"].append(result | {"schedule_warps": warps, "rejection_rounds": rounds})
+                print(f"[{spec}] {case.name} w{warps} r{rounds} at {time.monotonic() - t0:.0f} s: "
+                      f"{json.dumps(result['median_ms'])}")  # fmt: skip
         if in_loop:
             rig.loop.launch()
-            for case, result in zip(cases, out["cases"], strict=True):
+            for case, result in zip(cases, out["cases"], strict=False):
                 try:
                     result |= await loop_case(rig, client, case, args, plen)
                 except (RuntimeError, TimeoutError) as e:  # keep the host-mode numbers
@@ -326,7 +336,7 @@ def table(results: list[dict]) -> str:
         for c in r["cases"]:
             m, tpot = c["median_ms"], c.get("loop_tpot_p50_ms")
             lines.append(
-                f"| {r['spec']} | {c['case']} | {m['schedule']:.3f} | {m['forward']:.3f} {c['buckets']} | "
+                f"| {r['spec']} | {c['case']} w{c['schedule_warps']} r{c['rejection_rounds']} | {m['schedule']:.3f} | {m['forward']:.3f} {c['buckets']} | "
                 f"{m['sample']:.3f} | {m['commit']:.3f} | {m['total']:.3f} | {c['host_step_wall_ms']:.3f} | "
                 f"{'-' if tpot is None else f'{tpot:.3f}'} |"
             )
@@ -357,6 +367,11 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--kv-fraction", type=float, default=0.85, help="of free memory, as the shipped profile")
     ap.add_argument("--kv-gib", type=float, default=None, help="a fixed KV budget instead")
     ap.add_argument("--no-loop", action="store_true", help="skip the DeviceLoop TPOT run")
+    ap.add_argument("--schedule-warps", nargs="+", type=int, default=None, help="host-driven cases per value")
+    ap.add_argument(
+        "--rejection-rounds", nargs="+", type=int, default=None, help="host-driven cases per value"
+    )
+    ap.add_argument("--sampled", nargs="+", type=int, choices=(0, 1), default=None, help="default: 0 1")
     out = Path(os.environ["OUT"]) / "loop_profile.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=out, help="JSON report (default $OUT/loop_profile.json)")
     args = ap.parse_args()

@@ -190,35 +190,39 @@ def _close_slots(
     requests: all but rejected records)."""
     d = tl.arange(0, BLOCK_D)
     closing = (d < D) & (tl.load(slot_state_ptr + d, mask=d < D, other=SLOT.FREE) == SLOT.FINISHING)
-    c = tl.load(chan_ptr + d, mask=closing, other=-1)
-    publish = closing & (c >= 0) & (c < max_inflight)
-    c = tl.where(publish, c, 0).to(tl.int64)
-    why = tl.load(finish_reason_ptr + d, mask=closing, other=0)
-    err = tl.load(error_code_ptr + d, mask=closing, other=0)
-    stat64 = stat_at // 8 + c * (CHANNEL.status_bytes // 8)
-    stat32 = stat_at // 4 + c * (CHANNEL.status_bytes // 4)
-    tl.store(ring64_ptr + stat64 + CHANNEL.status_finish_ns // 8, tl.zeros_like(c) + now, mask=publish)
-    tl.store(ring32_ptr + stat32 + CHANNEL.status_finish_reason // 4, why, mask=publish)
-    tl.store(ring32_ptr + stat32 + CHANNEL.status_error_code // 4, err, mask=publish)
-    tl.store(ring32_ptr + stat32 + CHANNEL.status_terminal_token // 4, tl.zeros_like(why), mask=publish)
-    prog = prog_at // 8 + c * (CHANNEL.progress_bytes // 8)
-    held = tl.load(ring64_ptr + prog + CHANNEL.progress_count // 8, mask=publish, other=0, volatile=True)
-    fence_sys(ON_GPU)
-    tl.debug_barrier()
-    store_release(ring64_ptr + prog + CHANNEL.progress_count // 8, held | final_bit, ON_GPU, mask=publish)
-    fence_sys(ON_GPU)
-    tl.debug_barrier()
-    generation = tl.load(generation_ptr + d, mask=publish, other=0)
-    store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=publish)
-
-    top += _release_blocks(
-        d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B, EACH=True
-    )
-    tl.store(slot_state_ptr + d, tl.full([BLOCK_D], SLOT.FREE, tl.int32), mask=closing)
-    tl.store(finish_reason_ptr + d, tl.zeros_like(why), mask=closing)
-    tl.store(error_code_ptr + d, tl.zeros_like(err), mask=closing)
     n_closed = tl.sum(closing.to(tl.int32), 0)
-    counted = tl.sum((closing & (why != FINISH.ERROR)).to(tl.int64), 0)
+    counted = tl.zeros([], tl.int64)
+    # Most steps close nothing: the fences, the scan and the stores below are then skipped, so the
+    # step does not pay for every slot of the geometry.
+    if n_closed > 0:
+        c = tl.load(chan_ptr + d, mask=closing, other=-1)
+        publish = closing & (c >= 0) & (c < max_inflight)
+        c = tl.where(publish, c, 0).to(tl.int64)
+        why = tl.load(finish_reason_ptr + d, mask=closing, other=0)
+        err = tl.load(error_code_ptr + d, mask=closing, other=0)
+        stat64 = stat_at // 8 + c * (CHANNEL.status_bytes // 8)
+        stat32 = stat_at // 4 + c * (CHANNEL.status_bytes // 4)
+        tl.store(ring64_ptr + stat64 + CHANNEL.status_finish_ns // 8, tl.zeros_like(c) + now, mask=publish)
+        tl.store(ring32_ptr + stat32 + CHANNEL.status_finish_reason // 4, why, mask=publish)
+        tl.store(ring32_ptr + stat32 + CHANNEL.status_error_code // 4, err, mask=publish)
+        tl.store(ring32_ptr + stat32 + CHANNEL.status_terminal_token // 4, tl.zeros_like(why), mask=publish)
+        prog = prog_at // 8 + c * (CHANNEL.progress_bytes // 8)
+        held = tl.load(ring64_ptr + prog + CHANNEL.progress_count // 8, mask=publish, other=0, volatile=True)
+        fence_sys(ON_GPU)
+        tl.debug_barrier()
+        store_release(ring64_ptr + prog + CHANNEL.progress_count // 8, held | final_bit, ON_GPU, mask=publish)
+        fence_sys(ON_GPU)
+        tl.debug_barrier()
+        generation = tl.load(generation_ptr + d, mask=publish, other=0)
+        store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=publish)
+
+        top += _release_blocks(
+            d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B, EACH=True
+        )
+        tl.store(slot_state_ptr + d, tl.full([BLOCK_D], SLOT.FREE, tl.int32), mask=closing)
+        tl.store(finish_reason_ptr + d, tl.zeros_like(why), mask=closing)
+        tl.store(error_code_ptr + d, tl.zeros_like(err), mask=closing)
+        counted = tl.sum((closing & (why != FINISH.ERROR)).to(tl.int64), 0)
     return top, n_closed, counted
 
 

@@ -5,9 +5,10 @@ temperature but no top-k.
 The kept set of such a row is a prefix of the row in (value descending, index ascending) order, so
 the race winner over the kept set is found by racing over a *region* that holds it:
 
-- race every token of the region (chunked over the vocabulary; `race_region`, then `pick`);
+- race every token of the region (chunked over the vocabulary; `race_region`, whose last chunk of
+  a row to finish picks the row's winner);
 - test the winner w: min-p (x_w >= max + log(min_p)) and top-p (the mass ranked before w is < top_p;
-  `mass_ahead`, then `decide`);
+  `mass_ahead`, whose last chunk of a row decides);
 - if w is kept it is the answer, since the kept set lies inside the region; otherwise every kept
   token ranks before w, so the region shrinks to the tokens ranked before w and the race runs again.
 
@@ -44,6 +45,7 @@ class RejectionRows:
     part_index: torch.Tensor  # [S, C] int64
     part_max: torch.Tensor  # [S, C] fp32
     part_sum: torch.Tensor  # [S, C] fp32: sum of exp(x - part_max) over the chunk
+    arrived: torch.Tensor  # [S] int32: chunks of the row done in this pass; the last one resets it to 0
 
     @classmethod
     def allocate(cls, rows: int, chunks: int, device: torch.device) -> RejectionRows:
@@ -57,6 +59,7 @@ class RejectionRows:
             status=torch.zeros(rows, dtype=torch.int32, device=device), bound_x=f32(rows), bound_i=i64(rows),
             row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), part_score=f32(rows, chunks),
             part_index=i64(rows, chunks), part_max=f32(rows, chunks), part_sum=f32(rows, chunks),
+            arrived=torch.zeros(rows, dtype=torch.int32, device=device),
         )  # fmt: skip
 
 
@@ -136,12 +139,25 @@ def _race_chunk(
 
 
 @triton.jit
+def _last_to_arrive(arrived_ptr, r, n_chunks):
+    """Count this chunk of row r done; True for the row's last one, which resets the count. The
+    atomic releases this program's partials and, for the last, acquires everyone else's."""
+    last = tl.atomic_add(arrived_ptr + r, 1, sem="acq_rel") == n_chunks - 1
+    if last:
+        tl.store(arrived_ptr + r, 0)
+    return last
+
+
+@triton.jit
 def _race_region_kernel(
     logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-    status_ptr, bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V,
-    n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
+    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Persistent over the (row, chunk) items of the step's rows: rows past n_rows cost nothing."""
+    """Persistent over the (row, chunk) items of the step's rows: rows past n_rows cost nothing. The
+    last chunk of a row to finish picks its winner, so the pick costs no launch of its own."""
     n_items = tl.load(n_rows_ptr) * n_chunks
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         r = item // n_chunks
@@ -151,6 +167,12 @@ def _race_region_kernel(
                 bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
                 part_sum_ptr, V, n_chunks, CHUNK, FIRST, ARGMAX, PRECISE,
             )  # fmt: skip
+            if _last_to_arrive(arrived_ptr, r, n_chunks):
+                _pick_row(
+                    r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                    bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                    part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST, ARGMAX, PRECISE,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -187,22 +209,27 @@ def _pick_row(
     PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
-    min-p test. The first round also sets the row's max and logsumexp."""
+    min-p test. The first round also sets the row's max and logsumexp. Partials are read past L1:
+    other SMs wrote them."""
     offs = tl.arange(0, BLOCK_C)
     m = offs < n_chunks
-    scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
-    w = tl.load(part_index_ptr + r * n_chunks + tl.argmax(scores, 0))
+    scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
+    w = tl.load(part_index_ptr + r * n_chunks + tl.argmax(scores, 0), cache_modifier=".cg")
     t = tl.load(temperature_ptr + r)
     if ARGMAX or t <= 0.0:
         tl.store(sampled_ptr + r, w)
         tl.store(status_ptr + r, 0)
     else:
         if FIRST:
-            part_max = tl.load(part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"))
+            part_max = tl.load(
+                part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg"
+            )
             hi = tl.max(part_max, 0)
             tl.store(row_max_ptr + r, hi)
             if tl.load(top_p_ptr + r) < 1.0:  # the race wrote the sums only for top-p rows
-                part_sum = tl.load(part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0)
+                part_sum = tl.load(
+                    part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0, cache_modifier=".cg"
+                )
                 scaled = tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0)
                 tl.store(row_lse_ptr + r, hi + _log(tl.sum(scaled, 0), PRECISE))
             tl.store(bound_x_ptr + r, float("inf"))
@@ -220,27 +247,13 @@ def _pick_row(
 
 
 @triton.jit
-def _pick_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
-    bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr,
-    part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
-    PRECISE: tl.constexpr,
-):  # fmt: skip
-    for r in range(tl.program_id(0), tl.load(n_rows_ptr), tl.num_programs(0)):
-        if FIRST or tl.load(status_ptr + r) == 1:
-            _pick_row(
-                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST, ARGMAX, PRECISE,
-            )  # fmt: skip
-
-
-@triton.jit
 def _mass_ahead_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, status_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr,
-    V, n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+    bound_i_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, arrived_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, chunk) of rows under the top-p test: the probability mass ranked before the candidate."""
+    """Per (row, chunk) of rows under the top-p test: the probability mass ranked before the
+    candidate. The last chunk of a row to finish decides the row (`_decide_row`)."""
     n_items = tl.load(n_rows_ptr) * n_chunks
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         r = item // n_chunks
@@ -256,27 +269,29 @@ def _mass_ahead_kernel(
             ahead = inb & _ahead(x, idx, x_w, w)
             q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
             tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
+            if _last_to_arrive(arrived_ptr, r, n_chunks):
+                _decide_row(
+                    r, x_w, w, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, part_mass_ptr,
+                    n_chunks, BLOCK_C,
+                )  # fmt: skip
 
 
 @triton.jit
-def _decide_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-    bound_i_ptr, candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+def _decide_row(
+    r, x_w, w, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, part_mass_ptr, n_chunks,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Per row under the top-p test: keep the candidate if the mass before it is < top_p, else shrink."""
-    for r in range(tl.program_id(0), tl.load(n_rows_ptr), tl.num_programs(0)):
-        if tl.load(status_ptr + r) == 2:
-            offs = tl.arange(0, BLOCK_C)
-            mass = tl.sum(tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0), 0)
-            w = tl.load(candidate_ptr + r)
-            if mass < tl.load(top_p_ptr + r):
-                tl.store(sampled_ptr + r, w)
-                tl.store(status_ptr + r, 0)
-            else:
-                raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w)
-                tl.store(bound_x_ptr + r, _scaled(raw, tl.load(temperature_ptr + r), PRECISE))
-                tl.store(bound_i_ptr + r, w)
-                tl.store(status_ptr + r, 1)
+    """Row r under the top-p test: keep the candidate if the mass before it is < top_p, else shrink
+    the region to the tokens ranked before it."""
+    offs = tl.arange(0, BLOCK_C)
+    part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
+    if tl.sum(part, 0) < tl.load(top_p_ptr + r):
+        tl.store(sampled_ptr + r, w)
+        tl.store(status_ptr + r, 0)
+    else:
+        tl.store(bound_x_ptr + r, x_w)
+        tl.store(bound_i_ptr + r, w)
+        tl.store(status_ptr + r, 1)
 
 
 @triton.jit
@@ -354,19 +369,15 @@ def _persistent(items: int, programs: int) -> int:
 def argmax_rows(logits: torch.Tensor, n_rows: torch.Tensor, state: RejectionRows, sampled: torch.Tensor, *,
                 chunk: int, programs: int) -> None:  # fmt: skip
     """sampled[r] = argmax of logits row r (ties: lowest index) for r < n_rows: chunked, so one row
-    reads at full bandwidth, and rows past n_rows cost nothing. Capturable."""
+    reads at full bandwidth, and rows past n_rows cost nothing. One launch. Capturable."""
     S, V = logits.shape
     C = state.part_score.shape[1]
     unused = state.row_max  # ARGMAX reads no temperature, bound or partial sums
     _race_region_kernel[(_persistent(S * C, programs),)](
-        logits, logits.stride(0), n_rows, unused, unused, unused, unused, unused, state.status, unused,
-        unused, unused, state.part_score, state.part_index, unused, unused, V, C, CHUNK=chunk, FIRST=True,
-        ARGMAX=True, PRECISE=False, num_warps=4,
-    )  # fmt: skip
-    _pick_kernel[(_persistent(S, programs),)](
-        logits, logits.stride(0), n_rows, unused, unused, unused, sampled, state.status, unused, unused,
-        unused, unused, unused, state.part_score, state.part_index, unused, unused, C,
-        BLOCK_C=triton.next_power_of_2(C), FIRST=True, ARGMAX=True, PRECISE=False, num_warps=1,
+        logits, logits.stride(0), n_rows, unused, unused, unused, unused, unused, sampled, state.status,
+        unused, unused, unused, unused, unused, state.part_score, state.part_index, unused, unused,
+        state.arrived, V, C, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), FIRST=True, ARGMAX=True,
+        PRECISE=False, num_warps=4,
     )  # fmt: skip
 
 
@@ -393,30 +404,20 @@ def race_and_test(
     if rounds < 1:
         raise ValueError("the rejection sampler needs at least one chunked round (it sets max and logsumexp)")
     block_c = triton.next_power_of_2(C)
-    chunk_grid, row_grid = (_persistent(S * C, programs),), (_persistent(S, programs),)
+    chunk_grid = (_persistent(S * C, programs),)
     part_mass = state.part_sum  # the first round's sums are folded into row_lse before any test
     for round_ in range(rounds):
-        first = round_ == 0
         _race_region_kernel[chunk_grid](
             logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
-            rows.output_index, state.status, state.bound_x, state.bound_i, state.row_max, state.part_score, state.part_index,
-            state.part_max, state.part_sum, V, C, CHUNK=chunk, FIRST=first, ARGMAX=False, PRECISE=precise,
-            num_warps=4,
-        )  # fmt: skip
-        _pick_kernel[row_grid](
-            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, sampled,
-            state.status, state.bound_x, state.bound_i, state.candidate, state.row_max, state.row_lse,
-            state.part_score, state.part_index, state.part_max, state.part_sum, C, BLOCK_C=block_c,
-            FIRST=first, ARGMAX=False, PRECISE=precise, num_warps=1,
+            rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
+            state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
+            state.arrived, V, C, CHUNK=chunk, BLOCK_C=block_c, FIRST=round_ == 0, ARGMAX=False,
+            PRECISE=precise, num_warps=4,
         )  # fmt: skip
         _mass_ahead_kernel[chunk_grid](
-            logits, logits.stride(0), rows.n_rows, rows.temperature, state.status, state.candidate,
-            state.row_lse, part_mass, V, C, CHUNK=chunk, PRECISE=precise, num_warps=4,
-        )  # fmt: skip
-        _decide_kernel[row_grid](
             logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, sampled, state.status,
-            state.bound_x, state.bound_i, state.candidate, part_mass, C, BLOCK_C=block_c, PRECISE=precise,
-            num_warps=1,
+            state.bound_x, state.bound_i, state.candidate, state.row_lse, part_mass, state.arrived, V, C,
+            CHUNK=chunk, BLOCK_C=block_c, PRECISE=precise, num_warps=4,
         )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,

@@ -15,7 +15,7 @@ kv_blocks.py, the batch in schedule_batch.py, the outputs in schedule_step.py. E
 offset it shares with the rest of the project arrives as a constexpr (kernels/loop_codes.py).
 
 How it is laid out for speed: per-slot state lives in registers as [BLOCK_D] vectors; running
-sequences are put in run order once (compaction + an S x S rank, through a small scratch buffer) and
+sequences are put in run order once (compaction + a rank over the running ones, through a small scratch buffer) and
 the budget fill is done in vectorized rounds (prefix sums), one round per preemption event, so a step
 without preemption is one round. The sequential parts (records of one launch, admissions of waiting
 slots) loop over registers with masked reductions; global memory is only touched to gather/scatter.
@@ -143,7 +143,7 @@ def schedule_kernel(
     # tile sizes
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_STOP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_RANK: tl.constexpr,
     # codes and offsets the launcher fills by name (kernels/loop_codes.py)
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, COUNTER: tl.constexpr,
     CONTROL: tl.constexpr, RECORD: tl.constexpr, CHANNEL: tl.constexpr,
@@ -222,7 +222,9 @@ def schedule_kernel(
 
         # 4. The batch: running sequences in run order get their chunks (preempting the most recent
         # ones when blocks run out), then waiting slots are admitted into what is left.
-        m, ms, ks, ntok_k, ncomp_k, nb_k = order_running(st, md, offs_s, scratch_ptr, slots, BLOCK_D, SLOT)
+        m, ms, ks, ntok_k, ncomp_k, nb_k = order_running(
+            st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
+        )
         n_k, budget, top, n_preempted = fill_budget(
             top, m, ms, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
             MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, SLOT,

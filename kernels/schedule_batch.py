@@ -4,7 +4,7 @@ blocks from the free stack, recompute preemption, then admission of waiting slot
 arrival) order), written into the step tables and the sample rows.
 
 Part of the schedule program (kernels/schedule.py): running sequences are put in run order once
-(compaction + an S x S rank, through a small scratch buffer) and the budget fill is done in
+(compaction + a rank over the running ones, through a small scratch buffer) and the budget fill is done in
 vectorized rounds (prefix sums), one round per preemption event, so a step without preemption is
 one round. The sequential part (admissions of waiting slots) loops over registers with masked
 reductions; global memory is only touched to gather/scatter.
@@ -25,7 +25,9 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
-def order_running(st, md, offs_s, scratch_ptr, slots, BLOCK_D: tl.constexpr, SLOT: tl.constexpr):
+def order_running(
+    st, md, offs_s, scratch_ptr, slots, BLOCK_D: tl.constexpr, RANK_TILE: tl.constexpr, SLOT: tl.constexpr
+):
     """Running slots in run order: compact them (slot order), rank by run_order, reorder. Returns
     (m running sequences, lanes k < m, the k-th one's slot, num_tokens, num_computed, num_blocks)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -37,7 +39,14 @@ def order_running(st, md, offs_s, scratch_ptr, slots, BLOCK_D: tl.constexpr, SLO
     ms = offs_s < m
     compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
     ro = tl.load(slots.run_order + compact, mask=ms, other=0)
-    rank = tl.sum((ms[None, :] & (ro[None, :] < ro[:, None])).to(tl.int32), 1)
+    # The rank counts over the m running sequences only, a tile at a time: an S x S comparison
+    # would cost max_seqs^2 every step whatever the batch.
+    rank = tl.zeros_like(offs_s)
+    for j0 in range(0, m, RANK_TILE):
+        offs_j = j0 + tl.arange(0, RANK_TILE)
+        mj = offs_j < m
+        ro_j = tl.load(slots.run_order + tl.load(scratch_ptr + offs_j, mask=mj, other=0), mask=mj, other=0)
+        rank += tl.sum((mj[None, :] & (ro_j[None, :] < ro[:, None])).to(tl.int32), 1)
     tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
     tl.debug_barrier()
     ks = tl.load(scratch_ptr + BLOCK_D + offs_s, mask=ms, other=0)  # slot of the k-th running sequence
@@ -161,62 +170,64 @@ def admit_waiting(
     sequences, tokens, sample rows, sampler_index) after them."""
     offs_d = tl.arange(0, BLOCK_D)
     waiting = md & (st == SLOT.WAITING)
-    pri_d = tl.load(slots.priority + offs_d, mask=md, other=0)
-    arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
-    ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
-    adm_rank = tl.full([BLOCK_D], -1, tl.int32)
-    adm_n = tl.zeros([BLOCK_D], tl.int32)
-    adm_need = tl.zeros([BLOCK_D], tl.int32)
-    adm_off = tl.zeros([BLOCK_D], tl.int32)
-    adm_qs = tl.zeros([BLOCK_D], tl.int32)
-    adm_row = tl.full([BLOCK_D], -1, tl.int32)
-    n_new = tl.full([], 0, tl.int32)
-    popped = tl.full([], 0, tl.int32)
     go = (n_preempted == 0) & (m < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
-    while go:
-        w_pri = tl.min(tl.where(waiting, pri_d, _INT32_MAX), 0)
-        w_cand = waiting & (pri_d == w_pri)
-        w_arr = tl.min(tl.where(w_cand, arr_d, _INT64_MAX), 0)
-        w_slot = tl.min(tl.where(w_cand & (arr_d == w_arr), offs_d, BLOCK_D), 0)
-        w_is = offs_d == w_slot
-        w_rem = tl.sum(tl.where(w_is, ntok_d, 0), 0)  # all its tokens: a waiting slot has none computed
-        w_n = tl.minimum(w_rem, budget)
-        w_need = (w_n + BS - 1) // BS
-        w_fits = w_need <= top - popped
-        w_take = w_is & w_fits
-        w_samples = w_fits & (w_n == w_rem)
-        adm_rank = tl.where(w_take, n_new, adm_rank)
-        adm_n = tl.where(w_take, w_n, adm_n)
-        adm_need = tl.where(w_take, w_need, adm_need)
-        adm_off = tl.where(w_take, popped, adm_off)
-        adm_qs = tl.where(w_take, ntot, adm_qs)
-        adm_row = tl.where(w_take & w_samples, nsamp, adm_row)
-        f = w_fits.to(tl.int32)
-        popped += w_need * f
-        budget -= w_n * f
-        ntot += w_n * f
-        nsamp += w_samples.to(tl.int32)
-        n_new += f
-        waiting = waiting & ~w_take
-        go = w_fits & (m + n_new < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
-    adm = adm_rank >= 0
-    pop_blocks(adm, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
-               slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
-    top -= popped
-    tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.RUNNING, tl.int32), mask=adm)
-    tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
-    tl.store(slots.num_computed + offs_d, adm_n, mask=adm)
-    tl.store(slots.num_blocks + offs_d, adm_need, mask=adm)
-    next_run_order += n_new
-    bi_d = nseq + adm_rank
-    tl.store(step.step_slot + bi_d, offs_d, mask=adm)
-    tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
-    tl.store(step.query_start + bi_d, adm_qs, mask=adm)
-    tl.store(step.context_lens + bi_d, adm_n, mask=adm)
-    nseq += n_new
-    sampler_index = tl.maximum(sampler_index, _write_sample_rows(
-        adm_row >= 0, adm_row, offs_d, (adm_qs + adm_n - 1).to(tl.int64), slots, step,
-    ))  # fmt: skip
+    # Nothing to admit (the common decode step): none of the slot-wide work below.
+    if go:
+        pri_d = tl.load(slots.priority + offs_d, mask=md, other=0)
+        arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
+        ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
+        adm_rank = tl.full([BLOCK_D], -1, tl.int32)
+        adm_n = tl.zeros([BLOCK_D], tl.int32)
+        adm_need = tl.zeros([BLOCK_D], tl.int32)
+        adm_off = tl.zeros([BLOCK_D], tl.int32)
+        adm_qs = tl.zeros([BLOCK_D], tl.int32)
+        adm_row = tl.full([BLOCK_D], -1, tl.int32)
+        n_new = tl.full([], 0, tl.int32)
+        popped = tl.full([], 0, tl.int32)
+        while go:
+            w_pri = tl.min(tl.where(waiting, pri_d, _INT32_MAX), 0)
+            w_cand = waiting & (pri_d == w_pri)
+            w_arr = tl.min(tl.where(w_cand, arr_d, _INT64_MAX), 0)
+            w_slot = tl.min(tl.where(w_cand & (arr_d == w_arr), offs_d, BLOCK_D), 0)
+            w_is = offs_d == w_slot
+            w_rem = tl.sum(tl.where(w_is, ntok_d, 0), 0)  # all its tokens: a waiting slot has none computed
+            w_n = tl.minimum(w_rem, budget)
+            w_need = (w_n + BS - 1) // BS
+            w_fits = w_need <= top - popped
+            w_take = w_is & w_fits
+            w_samples = w_fits & (w_n == w_rem)
+            adm_rank = tl.where(w_take, n_new, adm_rank)
+            adm_n = tl.where(w_take, w_n, adm_n)
+            adm_need = tl.where(w_take, w_need, adm_need)
+            adm_off = tl.where(w_take, popped, adm_off)
+            adm_qs = tl.where(w_take, ntot, adm_qs)
+            adm_row = tl.where(w_take & w_samples, nsamp, adm_row)
+            f = w_fits.to(tl.int32)
+            popped += w_need * f
+            budget -= w_n * f
+            ntot += w_n * f
+            nsamp += w_samples.to(tl.int32)
+            n_new += f
+            waiting = waiting & ~w_take
+            go = w_fits & (m + n_new < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
+        adm = adm_rank >= 0
+        pop_blocks(adm, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
+                   slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
+        top -= popped
+        tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.RUNNING, tl.int32), mask=adm)
+        tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
+        tl.store(slots.num_computed + offs_d, adm_n, mask=adm)
+        tl.store(slots.num_blocks + offs_d, adm_need, mask=adm)
+        next_run_order += n_new
+        bi_d = nseq + adm_rank
+        tl.store(step.step_slot + bi_d, offs_d, mask=adm)
+        tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
+        tl.store(step.query_start + bi_d, adm_qs, mask=adm)
+        tl.store(step.context_lens + bi_d, adm_n, mask=adm)
+        nseq += n_new
+        sampler_index = tl.maximum(sampler_index, _write_sample_rows(
+            adm_row >= 0, adm_row, offs_d, (adm_qs + adm_n - 1).to(tl.int64), slots, step,
+        ))  # fmt: skip
     return top, next_run_order, nseq, ntot, nsamp, sampler_index
 
 

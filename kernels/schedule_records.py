@@ -79,11 +79,11 @@ def read_ring_words(
     # words, [2 + BLOCK_R, +BLOCK_D) cancel words of the live slots' channels.
     tl.store(snap_ptr, shutdown)
     tl.store(snap_ptr + 2 + offs_r, seq_word)
-    tl.store(snap_ptr + 2 + BLOCK_R + offs_d, cancel_word)
+    tl.store(snap_ptr + 2 + BLOCK_R + offs_d, cancel_word, mask=addressable)  # only live slots matter
     tl.debug_barrier()
     shutdown = tl.load(snap_ptr, volatile=True)
     seq_word = tl.load(snap_ptr + 2 + offs_r, volatile=True)
-    cancel_word = tl.load(snap_ptr + 2 + BLOCK_R + offs_d, volatile=True)
+    cancel_word = tl.load(snap_ptr + 2 + BLOCK_R + offs_d, mask=addressable, other=0, volatile=True)
     return shutdown, tail, arena_tail, live, addressable, cancel_word, position, rec, seq_word
 
 

@@ -101,7 +101,12 @@ class Twin:
     """The reference engine and the device scheduler, fed the same ring traffic, stepped together."""
 
     def __init__(
-        self, loop: LoopGeometry = LOOP, *, check_slot_is_channel: bool = True, cuda_graph: bool = False
+        self,
+        loop: LoopGeometry = LOOP,
+        *,
+        check_slot_is_channel: bool = True,
+        cuda_graph: bool = False,
+        rank_tile: int | None = None,
     ) -> None:
         layout = RingLayout.of(RING)
         self.loop = loop
@@ -135,7 +140,8 @@ class Twin:
             ring = self.mapped.tensor(0, torch.uint8, layout.size)
         else:
             ring = torch.frombuffer(self.dev_transport.buffer, dtype=torch.uint8)
-        self.scheduler = DeviceScheduler(loop, self.state, ring, layout, self.inputs, ENGINE_SEED)
+        tile = {} if rank_tile is None else {"rank_tile": rank_tile}
+        self.scheduler = DeviceScheduler(loop, self.state, ring, layout, self.inputs, ENGINE_SEED, **tile)
         self.graph = None
         if cuda_graph:  # launch() recorded once, replayed every iteration
             self.scheduler.compile()

@@ -58,8 +58,11 @@ def mixed_workload(t: Twin) -> None:
     assert counters[COUNTER_INDEX["loop_iterations"]] == st.iterations > st.steps
 
 
-def test_mixed_workload_matches_reference_step_by_step():
-    mixed_workload(Twin())
+@pytest.mark.parametrize("rank_tile", [None, 1])
+def test_mixed_workload_matches_reference_step_by_step(rank_tile):
+    """rank_tile 1: running sequences are put in run order one tile per sequence, as max_seqs
+    beyond the tile does on the GPU."""
+    mixed_workload(Twin(rank_tile=rank_tile))
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ RECORDS_PER_LAUNCH = 16  # request records one launch admits at most (more wait 
 PROMPT_TILE = 1024  # prompt tokens copied per load of the ring's arena
 TOKEN_TILE = 64  # forward rows written per tile
 BLOCK_TILE = 4  # KV blocks moved per slot per tile (pushes and pops)
+RANK_TILE = 32  # running sequences compared per tile when they are put in run order
 
 # The DeviceState and StepInputs tensors schedule_kernel takes, each as `<name>_ptr`.
 _STATE_TENSORS = (
@@ -45,6 +46,12 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def schedule_warps(num_slots: int) -> int:
+    """Warps of the one schedule program: more threads share the slot-wide vectors as num_slots grows,
+    while few slots pay only the barriers (H100, bench/results/2026-11-26-h100-schedule-warps.json)."""
+    return 4 if num_slots <= 256 else 8 if num_slots <= 2048 else 16
+
+
 class DeviceScheduler:
     """The schedule step of the device loop; `launch()` is what the loop's graph captures."""
 
@@ -57,14 +64,15 @@ class DeviceScheduler:
         inputs: StepInputs,
         engine_seed: int,
         *,
-        num_warps: int = 4,
+        num_warps: int | None = None,
+        rank_tile: int = RANK_TILE,
     ) -> None:
         geometry.validate()
         g, rg = geometry, layout.geometry
         device = state.slot_state.device
         self._check(g, state, ring, layout, inputs, engine_seed, device)
         self.geometry = geometry
-        self.num_warps = num_warps
+        self.num_warps = num_warps or schedule_warps(g.num_slots)
         self.buckets = torch.tensor(g.buckets, dtype=torch.int32, device=device)
         block_d, block_s = _pow2(g.num_slots), _pow2(g.max_num_seqs)
         # [0, block_d): running slots compacted; [block_d, +block_s): the same in run order;
@@ -98,7 +106,7 @@ class DeviceScheduler:
             BLOCK_R=block_r, BLOCK_STOP=_pow2(rg.max_stop_ids),
             BLOCK_J=BLOCK_TILE, BLOCK_P=min(PROMPT_TILE, _pow2(rg.max_prompt_tokens)),
             BLOCK_T=min(TOKEN_TILE, _pow2(g.max_num_batched_tokens)), BLOCK_C=min(64, _pow2(g.max_blocks_per_seq)),
-            BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)),
+            BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)), BLOCK_RANK=min(_pow2(rank_tile), block_s),
             SLOT=kernel_args.SLOT_STATES, FINISH=kernel_args.FINISH_REASONS, ERROR=kernel_args.ERROR_CODES,
             COUNTER=kernel_args.SCHEDULE_COUNTERS, CONTROL=kernel_args.CONTROL_WORDS, RECORD=record,
             CHANNEL=kernel_args.CHANNEL_LAYOUT,
