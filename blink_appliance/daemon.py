@@ -234,6 +234,7 @@ class ApplianceDaemon:
 
     def _supervise(self, region: RingRegion) -> None:
         while not self._stop.wait(0.2):
+            self._repair_header(region)
             code = self.engine.exited()
             if code is not None:
                 mark_engine_exited(region)
@@ -247,6 +248,16 @@ class ApplianceDaemon:
             if code is not None:
                 say(f"front end exited with code {code}")
                 self._restart(self.frontend, self._start_frontend)
+
+    @staticmethod
+    def _repair_header(region: RingRegion) -> None:
+        """The region's header is the daemon's (it created the region): every process it starts
+        attaches through it, so one overwritten would make each restart fail and the daemon give up.
+        The processes serving now read it only when they attach: rewriting it is all that is needed."""
+        fault = region.header_fault()
+        if fault is not None:
+            say(f"the ring region's header was overwritten ({fault}); rewriting it")
+            region.write_header()
 
     def _restart(self, child: _Child, start: Callable[[], None]) -> None:
         now = time.monotonic()

@@ -294,8 +294,9 @@ def _place_records(
         rid_d = tl.where(admitted, rid, rid_d)
         r_slot = tl.where(is_r & ~unaddressable, s, r_slot)
         r_outcome = tl.where(is_r, tl.where(unaddressable, _UNADDRESSABLE, code), r_outcome)
-        # engine_server._release_arena, for every record (also unaddressable ones).
-        arena_tail = tl.minimum(tl.maximum(tl.sum(tl.where(is_r, r_end, 0), 0), arena_tail), arena_head)
+        # wire/lifecycle.release_arena, for every record (also unaddressable ones): clamped to the
+        # head, and never backwards even when an overwritten head word reads below the tail.
+        arena_tail = tl.maximum(tl.minimum(tl.sum(tl.where(is_r, r_end, 0), 0), arena_head), arena_tail)
     return r_slot, r_outcome, arena_tail
 
 

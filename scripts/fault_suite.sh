@@ -19,6 +19,7 @@ tests=(
     tests/test_http_read_timeouts.py tests/test_frontend_big_bodies.py tests/test_http_live_faults.py
     tests/test_http_lifecycle.py tests/test_ring_processes.py tests/test_ring_server_client.py
     tests/test_ring_malformed_records.py tests/test_daemon_supervision.py tests/test_ring_layout.py
+    tests/test_ring_region_faults.py
 )
 hogs=()
 if [ "$loaded" = 1 ]; then

@@ -41,6 +41,13 @@ class LiveAppliance:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    @property
+    def shm_name(self) -> str:
+        """The name of its ring region (the profile's [appliance] shm_name)."""
+        from blink_appliance.profile import load_profile
+
+        return load_profile(self.log_path.parent / "profile.toml").appliance.shm_name
+
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

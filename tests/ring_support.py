@@ -1,8 +1,10 @@
 """Shared pieces of the ring tests (no tests here): a small deterministic engine with the LLMEngine
-API, region/transport fixtures and helpers that run a ring server (either engine's) in a thread."""
+API, region/transport fixtures, helpers that run a ring server (either engine's) in a thread, and a
+started client for it (or for a test that plays the engine by hand)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -13,8 +15,10 @@ from dataclasses import make_dataclass
 from typing import Any, Protocol
 
 from blink_appliance.engine.reference.server import EngineServer
+from blink_appliance.wire.client import EngineBusyError, EngineClient
+from blink_appliance.wire.lifecycle import Heartbeat
 from blink_appliance.wire.region import RingRegion
-from blink_appliance.wire.request import FinishReason, Request, TokenEvent
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams, TokenEvent
 from blink_appliance.wire.ring_layout import (
     OCCUPANCY_FIELDS,
     STEP_COUNTER_FIELDS,
@@ -161,6 +165,14 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -
         time.sleep(0.002)
 
 
+async def wait_until_async(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """wait_until for a test on the event loop: it yields, so the client's pump runs meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
 @contextlib.contextmanager
 def server_thread(engine, transport, geometry: RingGeometry = SMALL, **options):
     server = EngineServer(engine, transport, geometry, **options)
@@ -179,6 +191,58 @@ def server_thread(engine, transport, geometry: RingGeometry = SMALL, **options):
         thread.join(10)
         assert not thread.is_alive(), "engine server did not stop"
         assert not errors, errors
+
+
+@contextlib.asynccontextmanager
+async def client_for(transport, geometry: RingGeometry = SMALL, **options):
+    """A started EngineClient on `transport` that has seen the engine's heartbeat; closed after."""
+    client = EngineClient.attach(transport, geometry, **options)
+    await client.start()
+    # A client counts the engine alive once it has seen the heartbeat advance. start() waits 0.25 s
+    # for that; on a loaded 2-core CI machine the engine's heartbeat thread can miss it (a first
+    # submit then raised EngineDeadError). Every server here is running, so wait for the beat.
+    deadline = time.monotonic() + 10
+    try:
+        while not client.engine_alive:
+            assert time.monotonic() < deadline, "no engine heartbeat within 10 s"
+            await asyncio.sleep(0.005)
+        yield client
+    finally:
+        await client.close()
+
+
+async def collect(client: EngineClient, request_id: int):
+    """Every event of one request's stream, its terminal one last."""
+    return [event async for event in client.stream(request_id)]
+
+
+async def submit_when_free(
+    client: EngineClient, prompt: list[int], params: SamplingParams, timeout: float = 60.0
+) -> int:
+    """Submit, retrying while the engine is busy (ring, arena or slots full) for up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.submit(prompt, params)
+        except EngineBusyError as busy:
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {busy}"
+            await asyncio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def hand_engine_client(**options):
+    """(client, region) on a fresh region whose engine is the test itself: RUNNING and a heartbeat,
+    nobody reading the ring, so the test writes the engine's words by hand."""
+    with shm_region() as transport:
+        region = RingRegion.attach(transport, SMALL)
+        region.store("engine_state", EngineState.RUNNING)
+        heartbeat = Heartbeat(region, interval_s=0.01)
+        heartbeat.start()
+        try:
+            async with client_for(transport, stall_limit_s=60.0, **options) as client:
+                yield client, region
+        finally:
+            heartbeat.stop()
 
 
 class RawProducer:

@@ -1,12 +1,15 @@
 """The daemon's supervision of its engine, with a stand-in child (no processes): it clears a stale
-shutdown word before an engine starts, and marks an engine that exited FAILED before it restarts
-one (issue 20, defects 4 and 6)."""
+shutdown word before an engine starts, marks an engine that exited FAILED before it restarts one, and
+rewrites an overwritten region header so the restarted one can attach (issue 20, defects 4 and 6)."""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from blink_appliance.daemon import ApplianceDaemon
 from blink_appliance.profile import parse_profile
@@ -30,7 +33,8 @@ class StandInEngine:
 
     def start(self) -> None:
         self.started_with.append((self.region.load("shutdown"), self.region.load("engine_state")))
-        begin_epoch(self.region)  # what every engine does first (our pid stands in for the child's)
+        RingRegion.attach(self.region.transport, self.region.geometry)  # what every engine does first
+        begin_epoch(self.region)  # then takes the region (our pid stands in for the child's)
         self.region.store("engine_state", EngineState.RUNNING)
         self.code = None
 
@@ -122,4 +126,22 @@ def test_a_corrupt_epoch_word_does_not_stop_the_daemon(tmp_path):
         region.store("engine_epoch", 2**64 - 1)
         daemon._start_engine(region)  # returns once the engine serves
         assert region.load("engine_epoch") == 1 and len(engine.started_with) == 1
+        daemon._workdir.rmdir()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(header=st.binary(min_size=64, max_size=64))
+def test_an_overwritten_header_is_rewritten_and_the_restarted_engine_attaches(tmp_path, header):
+    """Issue 20 defect 6: random bytes over the region's header. Every process started after that
+    refused the region (attach checks the header), so the first restart failed and the daemon gave up."""
+    with shm_region(SMALL) as transport:
+        region = RingRegion.attach(transport, SMALL)
+        daemon, engine = daemon_with(region, tmp_path)
+        daemon._start_engine(region)
+        transport.write(0, header)
+        engine.code = -9  # the engine dies: the daemon restarts it
+        daemon._stop.wait = _once_then_stop(daemon)
+        daemon._supervise(region)
+        assert region.header_fault() is None
+        assert len(engine.started_with) == 2 and region.load("engine_state") == EngineState.RUNNING
         daemon._workdir.rmdir()

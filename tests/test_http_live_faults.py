@@ -1,13 +1,15 @@
 """A live `blink-appliance up` under faults and load, over real HTTP: a client that disconnects
-mid-stream, 200 concurrent streaming clients, the dashboard following live requests, and an engine
-crash. One appliance (tests/conftest.py's `live`) serves the module; the crash test restarts its
-engine and runs last.
+mid-stream, 200 concurrent streaming clients, the dashboard following live requests, the front end
+stopped (SIGSTOP) mid-stream, random bytes over the ring region, and crashes of the engine and of
+the front end. One appliance (tests/conftest.py's `live`) serves the module; the crash tests restart
+its processes and run last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 import time
 
@@ -24,6 +26,49 @@ from tests.live_appliance import (
 )
 
 # -- cancellation, load, crash ------------------------------------------------------------------
+
+
+async def _stream_into(live: LiveAppliance, body: dict, out: list[dict | str]) -> None:
+    """A streaming request whose SSE payloads land in `out` as they arrive ("[DONE]" as a string)."""
+    async with aiohttp.ClientSession(headers=live.headers) as s:
+        async with s.post(live.url + "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    payload = line[6:].decode().strip()
+                    out.append(payload if payload == "[DONE]" else json.loads(payload))
+
+
+def _terminal(events: list[dict | str]) -> dict:
+    """A stream's one terminal event (a chunk with a finish reason, or an error), checked to be its
+    last before [DONE]."""
+    terminals = [
+        e for e in events if isinstance(e, dict) and ("error" in e or e["choices"][0]["finish_reason"])
+    ]
+    assert len(terminals) == 1 and events[-2:] == [terminals[0], "[DONE]"], events[-3:]
+    return terminals[0]
+
+
+async def _open_streams(live: LiveAppliance, n: int, body: dict) -> tuple[list[asyncio.Task], list[list]]:
+    """`n` streaming requests, returned once each has sent a few events (its tokens are flowing)."""
+    streams: list[list[dict | str]] = [[] for _ in range(n)]
+    tasks = [asyncio.create_task(_stream_into(live, body, out)) for out in streams]
+    deadline = time.monotonic() + 60
+    while any(len(out) < 3 for out in streams):
+        assert time.monotonic() < deadline and not any(t.done() for t in tasks), (streams, live.log())
+        await asyncio.sleep(0.05)
+    return tasks, streams
+
+
+async def _served_again(live: LiveAppliance, within_s: float) -> dict:
+    """Retry a short request until it gets a 200 (503s while the appliance recovers); its body."""
+    deadline = time.monotonic() + within_s
+    while True:
+        status, r, _ = await post_json(live, "/v1/completions", completion_request("Hello", max_tokens=2))
+        if status == 200:
+            return r
+        assert status == 503 and time.monotonic() < deadline, (status, r, live.log())
+        await asyncio.sleep(0.5)
 
 
 async def _engine_counter(live: LiveAppliance, name: str) -> int:
@@ -108,6 +153,76 @@ async def test_dashboard_shows_live_changing_numbers(live):
         await pilot.pause(0.3)  # one more refresh, so the panel shows what the snapshot holds
         assert MODEL_NAME in (app.query_one(ModelPanel).border_title or "")
         assert f"total {total_tokens()}" in panel_text(), panel_text()
+
+
+async def test_frontend_stopped_for_seconds_mid_stream_loses_no_stream(live):
+    """SIGSTOP of the front end for 2 s during 4 streams (a debugger, a host that starves it): the
+    daemon leaves a stopped process alone (it acts on exits), the engine keeps generating for it (it
+    takes requests back only after FRONTEND_TIMEOUT_S, 5 s, without the front end's heartbeat), and
+    every stream finishes normally once the front end continues."""
+    frontend = live.child("blink_appliance.frontend")
+    body = completion_request("Count to a hundred.", max_tokens=40, ignore_eos=True)
+    tasks, streams = await _open_streams(live, 4, body)
+    frontend.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2.0)  # the fault: stopped this long
+    finally:
+        frontend.send_signal(signal.SIGCONT)
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    for events in streams:
+        assert _terminal(events)["choices"][0]["finish_reason"] == "length", events[-3:]
+    assert live.child("blink_appliance.frontend").pid == frontend.pid
+    assert "front end exited" not in live.log()
+
+
+async def test_frontend_stopped_past_the_engine_timeout_ends_each_stream_once_and_serves_again(live):
+    """Stopped until the engine takes its requests back (5 s without the front end's heartbeat, as from
+    a dead front end: their slots must not wait forever): once it continues, each stream ends with that
+    one error event (frontend_lost) and [DONE], and the same front end serves new requests."""
+    frontend = live.child("blink_appliance.frontend")
+    body = completion_request("Write a long story.", max_tokens=400, ignore_eos=True)
+    tasks, streams = await _open_streams(live, 4, body)
+    reclaims = live.log_path.read_text(errors="replace").count("front end heartbeat stale")
+    frontend.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while live.log_path.read_text(errors="replace").count("front end heartbeat stale") == reclaims:
+            assert time.monotonic() < deadline, live.log()
+            await asyncio.sleep(0.2)
+    finally:
+        frontend.send_signal(signal.SIGCONT)
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    for events in streams:
+        error = _terminal(events)["error"]
+        assert error["code"] == "engine_failure" and "frontend_lost" in error["message"], error
+    assert (await _served_again(live, 30))["usage"]["completion_tokens"] >= 1
+    assert live.child("blink_appliance.frontend").pid == frontend.pid
+
+
+async def test_random_bytes_over_the_region_end_each_stream_once_and_it_serves_again(live):
+    """Issue 20 defect 6, the probe's reproducer: random bytes over the whole ring region mid-stream
+    (header, ring words, channels, records). They stopped the daemon (its next engine refused the
+    header) and left the ring unusable. Every stream still ends with one terminal event, the daemon
+    rewrites the header, both sides put their ring words back, and new requests are served. The
+    shutdown word is kept 0: any other value asks the engine to stop, which the daemon answers with a
+    restart (tests/test_daemon_supervision.py); here it must recover without one."""
+    from blink_appliance.wire.ring_layout import RingLayout
+    from blink_appliance.wire.shm_transport import ShmTransport
+
+    body = completion_request("Write a poem.", max_tokens=60, ignore_eos=True)
+    tasks, streams = await _open_streams(live, 4, body)
+    transport = ShmTransport.open(live.shm_name)
+    try:
+        transport.write(0, random.Random(20).randbytes(transport.size))
+        transport.store_u64(RingLayout.control("shutdown"), 0)
+    finally:
+        transport.close()
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    for events in streams:
+        _terminal(events)
+    assert (await _served_again(live, 60))["usage"]["completion_tokens"] >= 1
+    assert live.proc.poll() is None, live.log()
+    assert "header was overwritten" in live.log()
 
 
 async def test_zz_engine_crash_fails_inflight_then_recovers(live):

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from blink_appliance.wire.client import EngineBusyError, EngineClient, EngineDeadError
-from blink_appliance.wire.lifecycle import Heartbeat
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import FinishReason, SamplingParams
 from blink_appliance.wire.ring_layout import FINAL_BIT, EngineState, RingGeometry
@@ -19,41 +18,16 @@ from tests.ring_support import (
     SMALL,
     VOCAB,
     CounterEngine,
+    client_for,
+    collect,
     expected_events,
+    hand_engine_client,
     server_thread,
     shm_region,
+    submit_when_free,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-
-
-@contextlib.asynccontextmanager
-async def client_for(transport, geometry: RingGeometry = SMALL, **options):
-    client = EngineClient.attach(transport, geometry, **options)
-    await client.start()
-    # A client counts the engine alive once it has seen the heartbeat advance. start() waits 0.25 s
-    # for that; on a loaded 2-core CI machine the engine's heartbeat thread can miss it (a first
-    # submit then raised EngineDeadError). Every server here is running, so wait for the beat.
-    deadline = time.monotonic() + 10
-    try:
-        while not client.engine_alive:
-            assert time.monotonic() < deadline, "no engine heartbeat within 10 s"
-            await asyncio.sleep(0.005)
-        yield client
-    finally:
-        await client.close()
-
-
-async def collect(client: EngineClient, request_id: int):
-    return [event async for event in client.stream(request_id)]
-
-
-async def submit_when_free(client: EngineClient, prompt, params):
-    while True:
-        try:
-            return client.submit(prompt, params)
-        except EngineBusyError:
-            await asyncio.sleep(0.001)
 
 
 async def test_requests_get_exactly_their_tokens_and_one_terminal_event():
@@ -321,20 +295,6 @@ async def test_frontend_heartbeat_stale_reclaims_its_requests_and_a_new_frontend
 # -- a count seen before the payload it covers ------------------------------------------------------
 # The test plays a weakly ordered engine by hand: it publishes words before the tokens, stamps and
 # status they cover (what the H100 loop did once, bench/results/2026-11-23-h100-loop-output-holes.md).
-
-
-@contextlib.asynccontextmanager
-async def hand_engine_client(**options):
-    with shm_region() as transport:
-        region = RingRegion.attach(transport, SMALL)
-        region.store("engine_state", EngineState.RUNNING)
-        heartbeat = Heartbeat(region, interval_s=0.01)
-        heartbeat.start()
-        try:
-            async with client_for(transport, stall_limit_s=60.0, **options) as client:
-                yield client, region
-        finally:
-            heartbeat.stop()
 
 
 def drained(client: EngineClient, request_id: int) -> list:

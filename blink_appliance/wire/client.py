@@ -14,17 +14,16 @@ import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from blink_appliance.wire.channels import ChannelBounds, Pending, terminal_written
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.wire.ring_cursor import RingCursor
 from blink_appliance.wire.ring_layout import (
     FINAL_BIT,
-    FINISH_FROM_CODE,
     EngineState,
-    ErrorCode,
     RingGeometry,
 )
 from blink_appliance.wire.transport import Transport
@@ -38,7 +37,12 @@ ENGINE_STALL_LIMIT_S = 10.0
 # How long engine_state must read other than RUNNING, after it read RUNNING, before the engine counts
 # as gone: a live engine puts a stray write back within a heartbeat (wire/lifecycle.py Heartbeat.hold).
 STATE_GRACE_S = 0.25
-TIMEOUT_CHECK_NS = 100_000_000  # how often the pump looks for requests past their deadline
+# How often the pump looks for requests past their deadline and checks the ring's words.
+TIMEOUT_CHECK_NS = 100_000_000
+# Request ids, generations and epochs wrap below these instead of overflowing their u64 words: a word
+# overwritten with a value near 2**64 must not make every later store raise.
+REQUEST_ID_LIMIT = 2**63
+U64_MAX = 2**64 - 1
 
 
 class EngineBusyError(Exception):
@@ -47,17 +51,6 @@ class EngineBusyError(Exception):
 
 class EngineDeadError(Exception):
     """The engine's heartbeat is stale or it is not running."""
-
-
-@dataclass
-class _Pending:
-    request_id: int
-    slot: int
-    generation: int
-    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
-    terminated: bool = False  # the stream already got its terminal event (maybe a local one)
-    deadline_ns: int = 0  # when the request times out (0: never)
-    payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
 
 
 class EngineClient:
@@ -70,6 +63,7 @@ class EngineClient:
         poll_interval_s: float = 0.0005,
         spin_s: float = 0.0005,
         payload_timeout_s: float = 1.0,
+        ring_repair_limit_s: float = ENGINE_STALL_LIMIT_S,
     ) -> None:
         self.region = region
         self.geometry = region.geometry
@@ -85,21 +79,22 @@ class EngineClient:
         # writer; seen once on the H100): wait this long for them, then fail the stream.
         self.payload_timeout_ns = int(payload_timeout_s * 1e9)
         self.payload_waits = 0  # waits begun so (telemetry: any is an engine write-ordering bug)
-        self.foreign_records = 0  # records another writer published on our ring (telemetry)
         self._active_ns = 0  # last submit or delivered event
         self._nap_future: asyncio.Future[None] | None = None
         n = self.geometry.max_inflight
         self._tracked_gen = np.zeros(n, dtype=np.uint64)  # generation we wait on per slot; 0 = free
         self._delivered = np.zeros(n, dtype=np.uint64)  # tokens read from each slot
-        self._by_slot: dict[int, _Pending] = {}
-        self._by_id: dict[int, _Pending] = {}
+        self._bounds = ChannelBounds(n)  # what each tracked channel's words may hold
+        self._by_slot: dict[int, Pending] = {}
+        self._by_id: dict[int, Pending] = {}
         self._free: deque[int] = deque()
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
         self._beat_value = 0
         self._beat_seen_ns = 0
         self._state_bad_since_ns: int | None = 0  # not RUNNING since then (None: RUNNING); 0: never seen it
-        self._head = self._arena_head = self._next_id = 0
+        self._ring = RingCursor(region, ring_repair_limit_s)
+        self._next_id = 0
 
     @classmethod
     def attach(cls, transport: Transport, geometry: RingGeometry, **options: float) -> EngineClient:
@@ -111,21 +106,22 @@ class EngineClient:
         if self._pump is not None:
             raise RuntimeError("EngineClient already started")
         r = self.region
-        r.store("frontend_epoch", r.load("frontend_epoch") + 1)
+        r.store("frontend_epoch", r.load("frontend_epoch") % U64_MAX + 1)
         r.store("frontend_pid", os.getpid())
         r.store("frontend_heartbeat_ns", time.monotonic_ns())
-        self._head, self._arena_head = r.load("req_head"), r.load("arena_head")
-        self._next_id = max(r.load("next_request_id"), 1)
+        self._ring.take_heads()
+        self._next_id = r.load("next_request_id") % REQUEST_ID_LIMIT or 1
         # A slot is ours again once the engine finished its last generation. Slots a previous
         # front end left open have no client any more: cancel them (the engine would otherwise
         # generate them to the end, or wait for its front-end timeout), and track them until done.
         ctl, prog = r.ctl_table(), r.progress_table()
         for slot in range(self.geometry.max_inflight):
-            gen = int(ctl["generation"][slot])
-            if gen == int(prog["done"][slot]):
+            gen, done = int(ctl["generation"][slot]), int(prog["done"][slot])
+            if gen == done or gen == 0:  # generation 0 was never claimed, whatever its done word reads
                 self._free.append(slot)
             else:
                 self._tracked_gen[slot] = gen
+                self._bounds.claim(slot, done, self.geometry.max_output_tokens)
                 r.store_ctl(slot, "cancel", gen)
         self._beat_value = r.load("engine_heartbeat_ns")
         self._beat_seen_ns = time.monotonic_ns() - self.stall_limit_ns - 1
@@ -142,7 +138,7 @@ class EngineClient:
         self._closed = True
         for pending in list(self._by_id.values()):
             self.cancel(pending.request_id)
-            self._terminate_locally(pending, FinishReason.ABORT, "client closed")
+            pending.terminate(FinishReason.ABORT, "client closed")
         if self._pump is not None:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -173,17 +169,23 @@ class EngineClient:
         if not self.engine_alive:
             raise EngineDeadError(f"engine is not running ({self._why_dead()})")
         r = self.region
-        self._resync_head()
+        ring = self._ring
+        tails = ring.check(time.monotonic_ns())
+        if tails is None:
+            raise EngineBusyError(
+                "the ring's tail words contradict our heads; the engine is putting them back"
+            )
+        tail, arena_tail = tails
         if not self._free:
             raise EngineBusyError(f"all {g.max_inflight} in-flight slots are taken")
-        if self._head - r.load("req_tail") >= g.request_slots:
+        if ring.head - tail >= g.request_slots:
             raise EngineBusyError(f"request ring full ({g.request_slots} records queued)")
         n = int(prompt.size)
-        position = self._arena_head
+        position = ring.arena_head
         if position % g.arena_tokens + n > g.arena_tokens:
             position += g.arena_tokens - position % g.arena_tokens  # keep the prompt contiguous
         end = position + n
-        if end - r.load("arena_tail") > g.arena_tokens:
+        if end - arena_tail > g.arena_tokens:
             raise EngineBusyError("prompt token arena full")
         # The record is built before anything is claimed: a field that does not fit its ring word
         # (top_k 2**31, say) must fail here, not after the slot is taken, or the slot is lost for good.
@@ -194,8 +196,12 @@ class EngineClient:
             raise ValueError(f"a sampling parameter does not fit the request record: {e}") from None
 
         slot = self._free.popleft()
-        generation = int(r.load_ctl(slot, "generation")) + 1
-        self._next_id += 1
+        generation = int(r.load_ctl(slot, "generation")) % U64_MAX + 1
+        done = r.load_progress(slot, "done")
+        if generation == done:  # an overwritten done word would end the request at once
+            generation = generation % U64_MAX + 1
+        self._bounds.claim(slot, done, params.max_tokens)
+        self._next_id = self._next_id % (REQUEST_ID_LIMIT - 1) + 1
         # The slot is ours (done == previous generation): reset it, then claim the new generation.
         r.store_progress(slot, "count", 0)
         r.clear_status(slot)
@@ -203,17 +209,17 @@ class EngineClient:
         r.store_ctl(slot, "request_id", request_id)
         r.store_ctl(slot, "generation", generation)
         r.write_prompt(position, prompt.astype("<i4"))
-        self._arena_head = end
+        ring.arena_head = end
         r.store("arena_head", end)
         record[0]["generation"], record[0]["slot"] = generation, slot
-        r.publish_record(self._head, record)
-        self._head += 1
+        r.publish_record(ring.head, record)
+        ring.head += 1
         r.store("next_request_id", self._next_id)
-        r.doorbell("req_head", self._head)
+        r.doorbell("req_head", ring.head)
 
         self._active_ns = time.monotonic_ns()
         self._wake()  # the pump spins again while this request is young
-        pending = _Pending(request_id, slot, generation)
+        pending = Pending(request_id, slot, generation)
         if self.request_timeout_ns:
             pending.deadline_ns = time.monotonic_ns() + self.request_timeout_ns
         self._by_id[request_id] = pending
@@ -241,22 +247,6 @@ class EngineClient:
             if not finished:
                 self.cancel(request_id)
             self._by_id.pop(request_id, None)
-
-    def _resync_head(self) -> None:
-        """We are the ring's only producer; if its words moved past ours anyway (a second front end
-        on this region, a stray writer), take them: records published at our stale head would sit
-        where the engine never reads, and every later request would hang behind them."""
-        r = self.region
-        ring_head, arena_head = r.load("req_head"), r.load("arena_head")
-        if ring_head > self._head:
-            log.error("%d request records were published by another writer; continuing after them",
-                      ring_head - self._head)  # fmt: skip
-            self.foreign_records += ring_head - self._head
-            self._head = ring_head
-        elif ring_head < self._head:  # rewound under us: the engine must see our records
-            r.doorbell("req_head", self._head)
-        if arena_head > self._arena_head:
-            self._arena_head = arena_head
 
     def abandon(self, request_id: int) -> None:
         """Cancel a request whose stream was never opened, and forget it: its events go nowhere."""
@@ -300,19 +290,23 @@ class EngineClient:
 
     def telemetry(self) -> dict[str, int | float]:
         r = self.region
-        values: dict[str, int | float] = dict(r.read_telemetry())
+        # An odd sequence word with no live engine to finish the write (one died mid-write, or the
+        # word was overwritten) will not change: one try, not a second of this event loop.
+        values: dict[str, int | float] = dict(r.read_telemetry(1.0 if self.engine_alive else 0.0))
         values.update(
             engine_alive=int(self.engine_alive),
             engine_epoch=r.load("engine_epoch"),
             engine_state=r.load("engine_state"),
-            ring_queued=self._head - r.load("req_tail"),
+            ring_queued=self._ring.head - r.load("req_tail"),
             ring_capacity=self.geometry.request_slots,
             inflight=len(self._by_slot),
             inflight_capacity=self.geometry.max_inflight,
-            arena_used=self._arena_head - r.load("arena_tail"),
+            arena_used=self._ring.arena_head - r.load("arena_tail"),
             arena_capacity=self.geometry.arena_tokens,
             payload_waits=self.payload_waits,
-            foreign_records=self.foreign_records,
+            foreign_records=self._ring.foreign_records,
+            ring_faults=self._ring.faults,
+            channel_faults=self._bounds.faults,
         )
         return values
 
@@ -325,9 +319,11 @@ class EngineClient:
                 self._active_ns = now
             if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
                 self._fail_pending(f"engine is dead: {self._why_dead()}")
-            if self.request_timeout_ns and now - self._timeouts_checked_ns > TIMEOUT_CHECK_NS:
+            if now - self._timeouts_checked_ns > TIMEOUT_CHECK_NS:
                 self._timeouts_checked_ns = now
-                self._fail_late(now)
+                if self.request_timeout_ns:
+                    self._fail_late(now)
+                self._ring.check(now)  # heads held, and tails followed without waiting for traffic
             if bool(self._by_slot) and now - self._active_ns < self.spin_ns:
                 await asyncio.sleep(0)
             else:
@@ -357,19 +353,36 @@ class EngineClient:
         counts = prog["count"] & np.uint64(FINAL_BIT - 1)
         final = (prog["count"] & np.uint64(FINAL_BIT)) != 0
         done = tracked & (prog["done"] == self._tracked_gen)
+        bad_done = tracked & ~done & self._bounds.bad_done(prog["done"], self._tracked_gen)
         moved = False
-        for slot in np.nonzero(tracked & (done | final | (counts > self._delivered)))[0]:
-            moved |= self._drain_slot(int(slot), bool(done[slot]), int(prog["count"][slot]))
+        for slot in np.nonzero(tracked & (done | bad_done | final | (counts != self._delivered)))[0]:
+            s = int(slot)
+            moved |= self._drain_slot(s, bool(done[s]), int(prog["done"][s]) if bad_done[s] else None,
+                                      int(prog["count"][s]))  # fmt: skip
         return moved
 
-    def _drain_slot(self, slot: int, done: bool, count_word: int) -> bool:
+    def _drain_slot(self, slot: int, done: bool, bad_done: int | None, count_word: int) -> bool:
+        """Deliver what the channel published since the last pass; `bad_done` is a done word the
+        engine cannot have written (None: it is fine)."""
         r = self.region
         if done:
             count_word = r.load_progress(slot, "count")  # re-read after seeing done: now final
         final = bool(count_word & FINAL_BIT)
-        count = min(count_word & (FINAL_BIT - 1), self.geometry.max_output_tokens)
+        count = count_word & (FINAL_BIT - 1)
         start = int(self._delivered[slot])
         pending = self._by_slot.get(slot)
+        # The slot may come back on a done word only once the engine's terminal status is there: a
+        # done written early by something else must not hand back a slot the engine still serves.
+        ended = (done or bad_done is not None) and terminal_written(self.region, slot)
+        bounds = self._bounds
+        if bounds.faulted[slot]:
+            return self._faulted_channel(slot, pending, None, release=ended)
+        # A done word overwritten after a whole terminal is harmless: the engine is finished.
+        finished = ended and bad_done is not None and final and start <= count <= bounds.max_tokens[slot]
+        generation = int(self._tracked_gen[slot])
+        fault = bounds.fault(slot, generation, start, count, final, done, None if finished else bad_done)
+        if fault is not None:
+            return self._faulted_channel(slot, pending, fault, release=ended)
         moved = False
         if pending is not None and not pending.terminated and (count > start or final):
             tokens, times = r.read_output(slot, start, max(start, count))
@@ -382,23 +395,53 @@ class EngineClient:
                 return self._wait_for_payload(pending, slot, start, tokens, times, arrived, final)
             pending.payload_wait_since_ns = 0
             terminal_token = bool(final and status["terminal_token"] and count > start)
-            self._deliver(pending, tokens, times, len(tokens) - int(terminal_token))
+            pending.deliver(tokens, times, len(tokens) - int(terminal_token))
             if terminal_token:
-                self._emit_terminal(pending, status, int(tokens[-1]), int(times[-1]))
+                pending.emit_terminal(status, int(tokens[-1]), int(times[-1]))
             if final and not pending.terminated:
-                self._emit_terminal(pending, status, None, int(status["finish_ns"]))
+                pending.emit_terminal(status, None, int(status["finish_ns"]))
             moved = True
         self._delivered[slot] = count
-        if done:
-            self._tracked_gen[slot] = 0
-            self._free.append(slot)
-            self._by_slot.pop(slot, None)  # the id stays known until its stream has ended
+        if finished:
+            log.error("output channel %d: done word %d was overwritten after the engine finished the "
+                      "request; the slot is free again", slot, bad_done)  # fmt: skip
+        if ended:
+            self._release(slot)
             moved = True
         return moved
 
+    def _faulted_channel(self, slot: int, pending: Pending | None, fault: str | None, release: bool) -> bool:
+        """A channel whose words were overwritten (`fault`, None once reported): its stream ends with
+        an error now and the engine is asked to cancel it. Its slot comes back only once the engine is
+        done with it (`release`: a done word, and the terminal status the engine writes before it)."""
+        moved = False
+        if fault is not None:
+            self._bounds.faulted[slot] = True
+            generation = int(self._tracked_gen[slot])
+            log.error("output channel %d (generation %d): %s; its stream ends with an error",
+                      slot, generation, fault)  # fmt: skip
+            self.region.store_ctl(slot, "cancel", generation)
+            if pending is not None and not pending.terminated:
+                pending.terminate(
+                    FinishReason.ERROR, f"engine_failure: output channel {slot} is corrupt: {fault}"
+                )
+                moved = True
+        self._delivered[slot] = self.region.load_progress(slot, "count") & (FINAL_BIT - 1)  # quiet the poll
+        if release:
+            self._release(slot)
+            moved = True
+        return moved
+
+    def _release(self, slot: int) -> None:
+        """The engine is done with the slot: free it (the id stays known until its stream has ended)."""
+        self._tracked_gen[slot] = 0
+        self._bounds.faulted[slot] = False
+        self._free.append(slot)
+        self._by_slot.pop(slot, None)
+
     def _wait_for_payload(
         self,
-        pending: _Pending,
+        pending: Pending,
         slot: int,
         start: int,
         tokens: np.ndarray,
@@ -414,7 +457,7 @@ class EngineClient:
             pending.payload_wait_since_ns = now
             self.payload_waits += 1
         ready = max(0, min(arrived, len(tokens) - 1)) if final else arrived
-        self._deliver(pending, tokens, times, ready)
+        pending.deliver(tokens, times, ready)
         self._delivered[slot] = start + ready
         if ready:
             pending.payload_wait_since_ns = now  # progress: the timeout counts from here
@@ -422,8 +465,7 @@ class EngineClient:
             self._delivered[slot] = start + len(tokens)
             self.region.store_ctl(slot, "cancel", pending.generation)  # the engine stops writing it
             missing = f"token {start + arrived}" if arrived < len(tokens) else "finish status"
-            self._terminate_locally(
-                pending,
+            pending.terminate(
                 FinishReason.ERROR,
                 f"engine_failure: the engine published the stream's {missing} but it never arrived "
                 f"(waited {self.payload_timeout_ns / 1e9:g} s)",
@@ -431,41 +473,17 @@ class EngineClient:
             return True
         return ready > 0
 
-    @staticmethod
-    def _deliver(pending: _Pending, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
-        """The first `n` tokens as non-final events."""
-        for i in range(n):
-            pending.queue.put_nowait(
-                TokenEvent(pending.request_id, int(tokens[i]), timestamp_ns=int(times[i]))
-            )
-
-    def _emit_terminal(self, pending: _Pending, status: np.void, token: int | None, stamp: int) -> None:
-        reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)
-        code = int(status["error_code"])
-        detail = bytes(status["error_detail"]).rstrip(b"\0").decode("utf-8", "replace")
-        error = None
-        if code != ErrorCode.NONE or reason is FinishReason.ERROR:
-            name = ErrorCode(code).name.lower() if code in ErrorCode._value2member_map_ else f"error {code}"
-            error = f"{name}: {detail}" if detail else name
-        pending.queue.put_nowait(TokenEvent(pending.request_id, token, reason, error, stamp))
-        pending.terminated = True
-
-    def _terminate_locally(self, pending: _Pending, reason: FinishReason, error: str) -> None:
-        if not pending.terminated:
-            pending.queue.put_nowait(TokenEvent(pending.request_id, None, reason, error, time.monotonic_ns()))
-            pending.terminated = True
-
     def _fail_late(self, now: int) -> None:
         """Requests past their deadline: cancel them in the engine and end their streams now."""
         for pending in self._by_id.values():
             if not pending.terminated and 0 < pending.deadline_ns <= now:
                 self.region.store_ctl(pending.slot, "cancel", pending.generation)
                 limit = self.request_timeout_ns / 1e9
-                self._terminate_locally(pending, FinishReason.ERROR, f"request timed out after {limit:g} s")
+                pending.terminate(FinishReason.ERROR, f"request timed out after {limit:g} s")
 
     def _fail_pending(self, error: str) -> None:
         """Engine gone: end every open stream now; the slots come back when an engine finishes them."""
         for pending in self._by_id.values():
             if not pending.terminated:
                 self.region.store_ctl(pending.slot, "cancel", pending.generation)
-                self._terminate_locally(pending, FinishReason.ERROR, error)
+                pending.terminate(FinishReason.ERROR, error)

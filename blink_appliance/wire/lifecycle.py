@@ -9,14 +9,19 @@ docs/protocol.md ("Slot ownership", "Liveness", "Engine restart").
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import FinishReason
 from blink_appliance.wire.ring_layout import FINAL_BIT, FINISH_CODES, EngineState, ErrorCode
+
+log = logging.getLogger(__name__)
 
 # Value of the `shutdown` word an engine writes for itself (on SIGTERM) so that a loop which only
 # reads the ring learns of it. The daemon writes 1; an engine takes back only its own 2 when it
@@ -44,14 +49,75 @@ def begin_epoch(region: RingRegion) -> int:
     return epoch
 
 
+def inconsistent_rings(region: RingRegion) -> dict[str, str]:
+    """The rings ("req", "arena") whose head and tail words contradict each other: a head behind its
+    tail, or further ahead of it than the ring holds; each with what was read. Empty for any region
+    the protocol can produce."""
+    g = region.geometry
+    faults = {}
+    for ring, capacity in (("req", g.request_slots), ("arena", g.arena_tokens)):
+        head, tail = region.load(f"{ring}_head"), region.load(f"{ring}_tail")
+        if not 0 <= head - tail <= capacity:
+            faults[ring] = f"{ring}_head {head}, {ring}_tail {tail}, capacity {capacity}"
+    return faults
+
+
+def reset_inconsistent_rings(region: RingRegion) -> dict[str, str]:
+    """At the start of an epoch, before anything is read at the tails: a ring whose words contradict
+    each other (random bytes over the region) restarts empty at its head, so the engine reads where
+    the front end writes next. Records queued behind a bad tail are dropped; their channels end with
+    engine_restarted like every other one this epoch does not find queued. Returns what it reset."""
+    faults = inconsistent_rings(region)
+    for ring, what in faults.items():
+        log.error("the %s ring's words contradict each other at engine start (%s): it restarts at its head",
+                  ring, what)  # fmt: skip
+        region.store(f"{ring}_tail", region.load(f"{ring}_head"))
+    return faults
+
+
 def queued_channels(region: RingRegion) -> set[tuple[int, int]]:
-    """(slot, generation) of every record published and not yet consumed."""
+    """(slot, generation) of every record published and not yet consumed (at most a ring's worth:
+    a corrupt head must not make this walk 2**64 positions)."""
     queued: set[tuple[int, int]] = set()
-    for position in range(region.load("req_tail"), region.load("req_head")):
+    tail = region.load("req_tail")
+    head = min(max(region.load("req_head"), tail), tail + region.geometry.request_slots)
+    for position in range(tail, head):
         if region.record_seq(position) == position + 1:
             record = region.read_record(position)[0]
             queued.add((int(record["slot"]), int(record["generation"])))
     return queued
+
+
+def finish_abandoned_channels(region: RingRegion, held: np.ndarray, tail: int) -> list[int]:
+    """ABORT on every channel the front end cancelled (cancel == generation != done) that this
+    engine does not hold (`held`: per slot the generation it serves, 0 for none) and no record at
+    or after `tail` will bring: nobody else would ever finish it, so its slot would stay taken. A new
+    front end cancels every channel it finds open, which is how a done word overwritten on a free
+    slot looks. A cancel is written only after its record was published, so a claim in progress is
+    never taken for one of these. Returns their slots."""
+    ctl, prog = region.ctl_table(), region.progress_table()
+    generation = ctl["generation"]
+    candidates = (
+        (generation != prog["done"]) & (ctl["cancel"] == generation) & (generation != 0) & (held == 0)
+    )
+    if not candidates.any():
+        return []
+    queued: set[tuple[int, int]] = set()
+    position = tail
+    while position < tail + region.geometry.request_slots and region.record_seq(position) == position + 1:
+        record = region.read_record(position)[0]
+        queued.add((int(record["slot"]), int(record["generation"])))
+        position += 1
+    finished = []
+    for slot in (int(s) for s in candidates.nonzero()[0]):
+        if (slot, int(generation[slot])) not in queued:
+            write_terminal(region, slot, int(generation[slot]), FinishReason.ABORT, ErrorCode.NONE, "")
+            finished.append(slot)
+    if finished:
+        log.warning(
+            "finished %d cancelled channels that no engine served (slots %s)", len(finished), finished
+        )
+    return finished
 
 
 def finish_open_channels(region: RingRegion, reason: FinishReason, code: ErrorCode, detail: str) -> list[int]:
@@ -102,8 +168,10 @@ def write_terminal(
 
 def release_arena(region: RingRegion, arena_tail: int, arena_end: int) -> int:
     """Release prompt tokens up to a record's `arena_end`, clamped to [arena_tail, arena_head] so a
-    bad record cannot corrupt the counter; returns the new arena tail."""
-    end = min(max(arena_end, arena_tail), region.load("arena_head"))
+    bad record cannot corrupt the counter, and never backwards, even when the arena_head word reads
+    below the tail (overwritten): a tail moved back makes the arena look full for good. Returns the
+    new arena tail."""
+    end = max(min(arena_end, region.load("arena_head")), arena_tail)
     if end != arena_tail:
         region.store("arena_tail", end)
     return end
@@ -150,7 +218,8 @@ class Heartbeat:
     a long step is not mistaken for death; it dies with the process, which the daemon notices.
 
     While `hold(state)` is in force it also puts engine_state back to that state if anything else
-    wrote the word: the engine owns it, and a stray write must not make a live engine look dead."""
+    wrote the word: the engine owns it, and a stray write must not make a live engine look dead; and
+    engine_pid back to this process's, which the front end's telemetry follows."""
 
     def __init__(self, region: RingRegion, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
         self.region = region
@@ -159,14 +228,18 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # a state change and a beat's repair never interleave
         self._held: int | None = None
-        self.repairs = 0  # engine_state words put back
+        self.repairs = 0  # engine_state and engine_pid words put back
+        self._pid = os.getpid()
 
     def beat(self) -> None:
         with self._lock:
             self.region.store("engine_heartbeat_ns", time.monotonic_ns())
-            if self._held is not None and self.region.load("engine_state") != self._held:
-                self.region.store("engine_state", self._held)
-                self.repairs += 1
+            if self._held is None:
+                return
+            for word, ours in (("engine_state", self._held), ("engine_pid", self._pid)):
+                if self.region.load(word) != ours:
+                    self.region.store(word, ours)
+                    self.repairs += 1
 
     def hold(self, state: int | None) -> None:
         """Write engine_state = `state` and keep it so (None: write nothing, keep nothing)."""
@@ -262,11 +335,13 @@ class ServerLifecycle:
         self._telemetry_values = telemetry_values
 
     def begin(self) -> None:
-        """Take the region for a new epoch (state STARTING): channels open without a queued record
-        were taken by an epoch that died and get engine_restarted (queued records will be served),
-        the front end's timeout counts from now, heartbeat and telemetry are fresh. The caller calls
-        `serving` once its token path runs."""
+        """Take the region for a new epoch (state STARTING): a ring whose head and tail words contradict
+        each other restarts at its head, channels open without a queued record were taken by an epoch
+        that died and get engine_restarted (queued records will be served), the front end's timeout
+        counts from now, heartbeat and telemetry are fresh. The caller calls `serving` once its token
+        path runs."""
         r = self.region
+        reset_inconsistent_rings(r)  # before the epoch: a front end that sees the epoch sees the reset
         begin_epoch(r)
         finish_open_channels(r, FinishReason.ERROR, ErrorCode.ENGINE_RESTARTED, "engine restarted")
         self.frontend.restart()

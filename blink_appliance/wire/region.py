@@ -38,13 +38,7 @@ class RingRegion:
     def create(cls, transport: Transport, geometry: RingGeometry) -> RingRegion:
         """Initialise a fresh (zeroed) region for `geometry`; the magic word is written last."""
         region = cls(transport, geometry)
-        header = geometry_header(geometry)
-        rec = np.zeros(1, dtype=CONTROL)
-        for name, value in header.items():
-            rec[name] = value
-        rec["magic"] = 0
-        transport.write(0, rec.tobytes()[:64])
-        transport.store_u64(CONTROL.fields["magic"][1], MAGIC)
+        region.write_header()
         return region
 
     @classmethod
@@ -52,14 +46,29 @@ class RingRegion:
         """Map a region some creator initialised; refuse one built for another layout or geometry."""
         if transport.size < 64:
             raise ValueError(f"transport region of {transport.size} bytes is too small for a ring header")
-        have = np.frombuffer(transport.read(0, 64).ljust(CONTROL.itemsize, b"\0"), dtype=CONTROL)[0]
-        for name, want in geometry_header(geometry).items():
-            if int(have[name]) != want:
-                raise ValueError(
-                    f"shared region mismatch: header field {name} is {int(have[name])}, expected {want} "
-                    "(different protocol version or ring geometry on the two ends)"
-                )
+        fault = header_fault(transport, geometry)
+        if fault is not None:
+            raise ValueError(
+                f"shared region mismatch: {fault} "
+                "(different protocol version or ring geometry on the two ends)"
+            )
         return cls(transport, geometry)
+
+    # -- the header (line 0 of the control block, the creator's) ----------------------------------
+    def header_fault(self) -> str | None:
+        """The first header field that no longer describes this region, or None: the daemon checks it
+        while it supervises, because every process that starts later attaches through it."""
+        return header_fault(self.transport, self.geometry)
+
+    def write_header(self) -> None:
+        """Write the header for this region's geometry, the magic word last (a reader that sees the
+        magic sees the rest)."""
+        rec = np.zeros(1, dtype=CONTROL)
+        for name, value in geometry_header(self.geometry).items():
+            rec[name] = value
+        rec["magic"] = 0
+        self.transport.write(0, rec.tobytes()[:64])
+        self.transport.store_u64(CONTROL.fields["magic"][1], MAGIC)
 
     # -- control words ----------------------------------------------------------------------------
     def load(self, field: str) -> int:
@@ -180,8 +189,9 @@ class RingRegion:
     # -- telemetry (seqlock: odd while the engine writes) ------------------------------------------
     def write_telemetry(self, values: Mapping[str, float]) -> None:
         # Start from an even word: a writer that died mid-write (a recovered engine) left it odd,
-        # and counting on from there would mark every later block as "being written".
-        seq = (self.load("telemetry_seq") + 1) & ~1
+        # and counting on from there would mark every later block as "being written". Wrapped below
+        # 2**64 - 2 so that a word overwritten near 2**64 cannot overflow the two stores below.
+        seq = ((self.load("telemetry_seq") + 1) & ~1) % (2**64 - 2)
         self.store("telemetry_seq", seq + 1)
         block = np.array([int(values.get(name, 0)) for name in TELEMETRY_FIELDS], dtype="<u8")
         self.transport.write(RingLayout.control("t_" + TELEMETRY_FIELDS[0]), block)
@@ -205,3 +215,12 @@ class RingRegion:
                 )
             time.sleep(pause)
             pause = min(max(2 * pause, 1e-5), 1e-3)
+
+
+def header_fault(transport: Transport, geometry: RingGeometry) -> str | None:
+    """Which header field of the region behind `transport` does not match `geometry`, and how."""
+    have = np.frombuffer(transport.read(0, 64).ljust(CONTROL.itemsize, b"\0"), dtype=CONTROL)[0]
+    for name, want in geometry_header(geometry).items():
+        if int(have[name]) != want:
+            return f"header field {name} is {int(have[name])}, expected {want}"
+    return None

@@ -21,7 +21,9 @@ from blink_appliance.wire.lifecycle import (
     FRONTEND_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     ServerLifecycle,
+    Throttle,
     drain_ring,
+    finish_abandoned_channels,
     release_arena,
     write_terminal,
 )
@@ -37,6 +39,8 @@ from blink_appliance.wire.ring_layout import (
 from blink_appliance.wire.transport import Transport
 
 log = logging.getLogger(__name__)
+# How often the loop looks for cancelled channels that nobody serves (lifecycle.finish_abandoned_channels).
+ABANDONED_CHECK_S = 0.5
 
 
 class ServedEngine(Protocol):
@@ -111,6 +115,7 @@ class EngineServer:
         self._counters = dict.fromkeys((*SERVING_COUNTER_FIELDS, *STEP_TIME_FIELDS), 0)
         self._tail = 0
         self._arena_tail = 0
+        self._abandoned = Throttle(ABANDONED_CHECK_S)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -124,7 +129,10 @@ class EngineServer:
             while not stop.is_set():
                 if self.region.load("shutdown"):
                     break
+                self._hold_consumer_words()
                 moved = self._admit()
+                if self._abandoned.due():
+                    finish_abandoned_channels(self.region, self._live_gen, self._tail)
                 if self._live:
                     self._apply_cancels()
                     self._reclaim_if_frontend_lost()
@@ -162,6 +170,17 @@ class EngineServer:
         self._lifecycle.serving()
 
     # -- admission --------------------------------------------------------------------------------
+    def _hold_consumer_words(self) -> None:
+        """Put req_tail and arena_tail back if anything else wrote them: they are this engine's, it
+        keeps the true values, and the front end sizes the ring's free space from the words."""
+        r = self.region
+        words = (("req_tail", self._tail), ("arena_tail", self._arena_tail))
+        for name, ours in words:
+            if (seen := r.load(name)) != ours:
+                log.error("the region's %s word read %d, this engine's is %d: overwritten; put back",
+                          name, seen, ours)  # fmt: skip
+                r.store(name, ours)
+
     def _admit(self) -> bool:
         r = self.region
         admitted = 0
@@ -301,7 +320,8 @@ class EngineServer:
 
     def _drain_ring(self, reason: FinishReason, code: ErrorCode, detail: str) -> None:
         """Finish every record still queued without running it."""
-        drain_ring(self.region, reason, code, detail)  # from the region's req_tail/arena_tail = ours
+        self._hold_consumer_words()  # drain_ring starts from the region's words: make them ours
+        drain_ring(self.region, reason, code, detail)
         self._tail, self._arena_tail = self.region.load("req_tail"), self.region.load("arena_tail")
 
     # -- output -----------------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""The client's view of one output channel: the request waiting on it (Pending, whose queue its
+stream reads) and the bounds the engine's words in it must keep (docs/protocol.md, "Slot
+ownership" and "Words that hold what the protocol cannot produce"). EngineClient uses both."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.request import FinishReason, TokenEvent
+from blink_appliance.wire.ring_layout import FINISH_FROM_CODE, ErrorCode
+
+
+@dataclass
+class Pending:
+    """A submitted request whose stream has not ended: the events go to its queue."""
+
+    request_id: int
+    slot: int
+    generation: int
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    terminated: bool = False  # the stream already got its terminal event (maybe a local one)
+    deadline_ns: int = 0  # when the request times out (0: never)
+    payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
+
+    def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
+        """The first `n` tokens as non-final events."""
+        for i in range(n):
+            self.queue.put_nowait(TokenEvent(self.request_id, int(tokens[i]), timestamp_ns=int(times[i])))
+
+    def emit_terminal(self, status: np.void, token: int | None, stamp: int) -> None:
+        """The engine's terminal event, from the channel's status."""
+        reason = FINISH_FROM_CODE.get(int(status["finish_reason"]), FinishReason.ERROR)
+        code = int(status["error_code"])
+        detail = bytes(status["error_detail"]).rstrip(b"\0").decode("utf-8", "replace")
+        error = None
+        if code != ErrorCode.NONE or reason is FinishReason.ERROR:
+            name = ErrorCode(code).name.lower() if code in ErrorCode._value2member_map_ else f"error {code}"
+            error = f"{name}: {detail}" if detail else name
+        self.queue.put_nowait(TokenEvent(self.request_id, token, reason, error, stamp))
+        self.terminated = True
+
+    def terminate(self, reason: FinishReason, error: str) -> None:
+        """A terminal event of the client's own (timeout, dead engine, corrupt channel), unless the
+        stream already has one."""
+        if not self.terminated:
+            self.queue.put_nowait(TokenEvent(self.request_id, None, reason, error, time.monotonic_ns()))
+            self.terminated = True
+
+
+class ChannelBounds:
+    """Per slot, what the engine's words may hold while the client waits on the channel: a count up
+    to the request's max_tokens and never below what was read; a done word that is the claim's
+    predecessor (its value at the claim, or generation - 1) until it is the generation, which comes
+    only with a final count. Anything else was written by something other than the engine."""
+
+    def __init__(self, slots: int) -> None:
+        self.max_tokens = np.zeros(slots, dtype=np.uint64)
+        self.claim_done = np.zeros(slots, dtype=np.uint64)
+        self.faulted = np.zeros(slots, dtype=bool)  # a fault was handled; the slot waits for the engine
+        self.faults = 0  # channels found so (telemetry)
+
+    def claim(self, slot: int, done: int, max_tokens: int) -> None:
+        """The client takes the slot for a request of `max_tokens`; its done word reads `done` now."""
+        self.max_tokens[slot], self.claim_done[slot], self.faulted[slot] = max_tokens, done, False
+
+    def bad_done(self, done: np.ndarray, generation: np.ndarray) -> np.ndarray:
+        """Per slot: the done word is neither the claim's predecessor nor `generation - 1` (callers
+        leave out the slots where it is the generation)."""
+        return (done != self.claim_done) & (done != generation - np.uint64(1))
+
+    def fault(
+        self,
+        slot: int,
+        generation: int,
+        start: int,
+        count: int,
+        final: bool,
+        done: bool,
+        bad_done: int | None,
+    ) -> str | None:
+        """What is wrong with the channel's words, counted; None when nothing is."""
+        fault = None
+        if bad_done is not None:
+            fault = f"done word {bad_done} is neither generation {generation} nor the one before it"
+        elif count > self.max_tokens[slot]:
+            fault = f"count word {count} is past the request's max_tokens {int(self.max_tokens[slot])}"
+        elif count < start:
+            fault = f"count word {count} went back below the {start} tokens already read"
+        elif done and not final:
+            fault = f"done word {generation} came without a final count (count word {count})"
+        self.faults += fault is not None
+        return fault
+
+
+def terminal_written(region: RingRegion, slot: int) -> bool:
+    """The engine wrote the channel's terminal status (the claim cleared it; the engine writes it
+    only when it finishes the request): stamped, and naming a finish."""
+    status = region.read_status(slot)
+    return int(status["finish_ns"]) != 0 and int(status["finish_reason"]) in FINISH_FROM_CODE
