@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class EngineClientLike(Protocol):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Any: ...
 
-    def stream(self, request_id: int) -> AsyncIterator[TokenEvent]: ...
+    def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]: ...
 
     def abandon(self, request_id: int) -> None: ...
 
@@ -296,38 +297,44 @@ class CompletionService:
         stops = StopStringMatcher(prep.stop_strings)
         finished = False
         try:
-            events = self.client.stream(request_id)
+            # Tokens that reached the front end together go out as one piece: under load (many
+            # streams, one front-end core) per-token work is what sets the pace.
+            events = self.client.stream_batches(request_id)
             async with contextlib.aclosing(events):  # leaving early cancels in the engine
-                async for ev in events:
-                    reason = ev.finish_reason
-                    if ev.token_id is not None:
-                        timer.token()
-                        prep.completion_tokens += 1
-                        # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
-                        piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)
-                        text = stops.feed(piece)
-                        if stops.stopped:
+                async for batch in events:
+                    now, last_stamp, text = time.monotonic_ns(), batch[-1].timestamp_ns, ""
+                    for ev in batch:
+                        reason = ev.finish_reason
+                        if ev.token_id is not None:
+                            # The engine's spacing within the batch, ending now: the latency
+                            # tracker sees its cadence, not one arrival for all of them.
+                            timer.token(now - max(0, last_stamp - ev.timestamp_ns))
+                            prep.completion_tokens += 1
+                            # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
+                            piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)
+                            text += stops.feed(piece)
+                            if stops.stopped:
+                                finished = True
+                                timer.finish("stop")
+                                yield Piece(text, "stop")
+                                return
+                        if reason is None:
+                            continue
+                        if reason in (FinishReason.ABORT, FinishReason.ERROR):
                             finished = True
-                            timer.finish("stop")
-                            yield Piece(text, "stop")
-                            return
-                        if text and reason is None:
-                            yield Piece(text)
-                    else:
-                        text = ""
-                    if reason is None:
-                        continue
-                    if reason in (FinishReason.ABORT, FinishReason.ERROR):
+                            self.metrics.error("engine_" + reason.value)
+                            if text:  # what came before the failure still reaches the client
+                                yield Piece(text)
+                            raise EngineFailure(ev.error or f"the engine ended the request ({reason.value})")
+                        text += stops.feed(detok.flush())
+                        text += stops.flush()  # nothing once a stop string matched
                         finished = True
-                        self.metrics.error("engine_" + reason.value)
-                        raise EngineFailure(ev.error or f"the engine ended the request ({reason.value})")
-                    text += stops.feed(detok.flush())
-                    text += stops.flush()  # nothing once a stop string matched
-                    finished = True
-                    final = "stop" if stops.stopped else reason.value
-                    timer.finish(final)
-                    yield Piece(text, final)
-                    return
+                        final = "stop" if stops.stopped else reason.value
+                        timer.finish(final)
+                        yield Piece(text, final)
+                        return
+                    if text:
+                        yield Piece(text)
             # The stream ended without a terminal event: the ring lost the request.
             finished = True
             self.metrics.error("engine_lost")

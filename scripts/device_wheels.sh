@@ -13,6 +13,7 @@ fetch() {
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
 }
 fetch pydantic annotated-types typing-inspection typing-extensions gguf platformdirs pytest-asyncio
+fetch py-spy  # bench/frontend_load.py samples the front end with it
 core=$(unzip -p .whl/pydantic-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([0-9.]*\).*/\1/p')
 fetch "pydantic-core==${core}"
 ls .whl

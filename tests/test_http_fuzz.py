@@ -48,11 +48,15 @@ class EchoEngine:
         self.prompts[self.next_id] = (list(prompt_ids), params)
         return self.next_id
 
-    async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
+    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
         ids, params = self.prompts.pop(request_id)
         n = min(params.max_tokens, 4)
-        for i in range(n):
-            yield TokenEvent(request_id, ids[i % len(ids)], FinishReason.LENGTH if i == n - 1 else None)
+        events = [
+            TokenEvent(request_id, ids[i % len(ids)], FinishReason.LENGTH if i == n - 1 else None)
+            for i in range(n)
+        ]
+        for i in range(0, n, 2):  # two at a time
+            yield events[i : i + 2]
 
     def abandon(self, request_id: int) -> None:
         self.prompts.pop(request_id, None)

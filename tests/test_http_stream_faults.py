@@ -13,7 +13,7 @@ from blink_appliance.frontend.openai_schema import CompletionRequest
 from blink_appliance.frontend.token_id_vocabulary import token_id_vocabulary_for
 
 from blink_appliance.model.detokenizer import IncrementalDetokenizer
-from blink_appliance.wire.request import SamplingParams, TokenEvent
+from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
 
 MODEL = "tiny"
 
@@ -32,9 +32,8 @@ class ScriptedEngine:
         self.submitted.append(params)
         return len(self.submitted) - 1
 
-    async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
-        for n in range(1, self.fail_after + 1):
-            yield TokenEvent(request_id, n, None)
+    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+        yield [TokenEvent(request_id, n, None) for n in range(1, self.fail_after + 1)]
         raise self.fail_with or RuntimeError("scripted failure")
 
     def abandon(self, request_id: int) -> None:
@@ -83,3 +82,22 @@ async def test_a_request_closed_before_its_stream_opens_is_cancelled_in_the_engi
     await pieces.aclose()
     assert engine.abandoned == [0]
     assert service.inflight == 0
+
+
+class FailingInBatch(ScriptedEngine):
+    """Two tokens and the engine's failure event, all in one batch (as a loaded front end gets them)."""
+
+    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+        failure = TokenEvent(request_id, None, FinishReason.ERROR, "engine_failure: scripted")
+        yield [TokenEvent(request_id, 1, None), TokenEvent(request_id, 2, None), failure]
+
+
+async def test_text_that_arrived_with_a_failure_reaches_the_client_before_its_error(aiohttp_client):
+    client = await aiohttp_client(create_app(service_for(FailingInBatch())))
+    body = {"model": MODEL, "prompt": [7, 8], "max_tokens": 8, "stream": True}
+    async with client.post("/v1/completions", json=body) as r:
+        assert r.status == 200
+        payloads = [line.decode().strip()[6:] async for line in r.content if line.startswith(b"data: ")]
+    assert payloads[-1] == "[DONE]" and "engine_failure" in json.loads(payloads[-2])["error"]["message"]
+    texts = [json.loads(p)["choices"][0]["text"] for p in payloads[:-2]]
+    assert "".join(texts) == " 1 2"

@@ -38,11 +38,16 @@ class CountingEngine:
         self.submitted.append((list(prompt_ids), params))
         return len(self.submitted) - 1
 
-    async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
+    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+        """The first token alone, the rest in one batch: as a loaded front end gets them."""
         ids, params = self.submitted[request_id]
-        for n in range(1, params.max_tokens + 1):
-            last = n == params.max_tokens
-            yield TokenEvent(request_id, ids[-1] + n, FinishReason.LENGTH if last else None)
+        events = [
+            TokenEvent(request_id, ids[-1] + n, FinishReason.LENGTH if n == params.max_tokens else None)
+            for n in range(1, params.max_tokens + 1)
+        ]
+        for batch in (events[:1], events[1:]):
+            if batch:
+                yield batch
 
     def telemetry(self) -> dict:
         return {}
@@ -75,7 +80,7 @@ def test_stand_in_only_for_dummy_sources():
     assert TokenIdVocabulary(8, "dummy:x").decode([1, 2]) == " 1 2"
 
 
-async def test_token_id_prompt_streams_one_id_piece_per_token(served):
+async def test_token_id_prompt_streams_the_ids_each_batch_as_one_piece(served):
     client, engine = served
     body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 4, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
@@ -85,7 +90,8 @@ async def test_token_id_prompt_streams_one_id_piece_per_token(served):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
-    assert texts == [" 10", " 11", " 12", " 13"]  # every token its own non-empty piece
+    # The first token alone, then the three that arrived together as one chunk (the engine's batches).
+    assert texts == [" 10", " 11 12 13"]
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert engine.submitted[0][0] == [7, 8, 9]
 

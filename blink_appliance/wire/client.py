@@ -231,16 +231,26 @@ class EngineClient:
     async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
         """The request's events, ending with its terminal one. Leaving early cancels the request
         (use contextlib.aclosing for a prompt cancel on `break`)."""
+        async with contextlib.aclosing(self.stream_batches(request_id)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+        """The request's events as they arrived: each list holds every event queued when the
+        consumer got to it (one wake-up for many tokens under load); the last one ends with the
+        terminal event. Leaving early cancels the request, as `stream` does."""
         pending = self._by_id.get(request_id)
         if pending is None:
             raise KeyError(f"unknown or already finished request id {request_id}")
         finished = False
         try:
             while True:
-                event = await pending.queue.get()
-                if event.finished:
-                    finished = True
-                yield event
+                batch = [await pending.queue.get()]
+                while not batch[-1].finished and not pending.queue.empty():
+                    batch.append(pending.queue.get_nowait())
+                finished = batch[-1].finished
+                yield batch
                 if finished:
                     return
         finally:
