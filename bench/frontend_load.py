@@ -33,7 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.http_sweep import MODEL_NAME, Geometry, gpu_name, ms, profile_text, prompts, request_tpot_s  # noqa: E402
+from bench.http_sweep import (  # noqa: E402
+    MODEL_NAME,
+    Geometry,
+    gpu_name,
+    model_defaults,
+    ms,
+    profile_text,
+    prompts,
+    request_tpot_s,
+)
 from bench.server_process import ServerProcess  # noqa: E402
 from blink_appliance.bench.load_generator import LoadConfig, run_load  # noqa: E402
 
@@ -105,14 +114,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    cpu = args.device == "cpu"
-    args.model = args.model or ("dummy:tiny" if cpu else "dummy:llama-3.2-1b")
-    args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
-    from blink_appliance.model.presets import preset_config
-
-    args.vocab = min(preset_config(args.model.partition(":")[2]).vocab_size, 1000)  # as http_sweep
-    return args
+    return model_defaults(ap.parse_args())
 
 
 def main() -> int:

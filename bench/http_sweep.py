@@ -255,13 +255,20 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to come up")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="JSON report, rewritten after every case")
-    args = ap.parse_args()
+    args = model_defaults(ap.parse_args())
     cpu = args.device == "cpu"
-    args.model = args.model or ("dummy:tiny" if cpu else "dummy:llama-3.2-1b")
-    args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     args.geometries = args.geometries or (["256/8/8/64"] if cpu else DEFAULT_GEOMETRIES)
     args.requests_per_case = args.requests_per_case or (2 if cpu else 5)
     args.batch_cap = CPU_BATCH_CAP if cpu else 1 << 30
+    return args
+
+
+def model_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """--model / --dtype defaults for --device (cpu: dummy:tiny fp32, else the 1B in bf16), and
+    args.vocab, the bound of the random prompt ids (the HTTP benches in bench/ share it)."""
+    cpu = args.device == "cpu"
+    args.model = args.model or ("dummy:tiny" if cpu else "dummy:llama-3.2-1b")
+    args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     kind, _, preset = args.model.partition(":")
     if cpu and kind != "dummy":
         raise SystemExit("--device cpu sizes the KV cache from a dummy: preset's shapes; use a dummy: model")

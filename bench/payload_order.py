@@ -31,7 +31,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.http_sweep import MODEL_NAME, Geometry, gpu_name, profile_text  # noqa: E402
+from bench.http_sweep import MODEL_NAME, Geometry, gpu_name, model_defaults, profile_text  # noqa: E402
 from bench.server_process import ServerProcess, ServerStartError  # noqa: E402
 
 COUNTERS = ("blink_ring_payload_waits_total", "blink_generation_tokens_total")
@@ -125,14 +125,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    cpu = args.device == "cpu"
-    args.model = args.model or ("dummy:tiny" if cpu else "dummy:llama-3.2-1b")
-    args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
-    from blink_appliance.model.presets import preset_config
-
-    args.vocab = preset_config(args.model.partition(":")[2]).vocab_size
-    return args
+    return model_defaults(ap.parse_args())
 
 
 def main() -> int:
