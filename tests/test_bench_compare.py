@@ -386,7 +386,8 @@ def test_compare_toy_path_end_to_end(tmp_path):
             # token-id prompts served as such; every request got exactly its 6 tokens
             assert [r["prompt_tokens"] for r in res["requests"]] == [12] * 4
             assert [r["completion_tokens"] for r in res["requests"]] == [6] * 4
-            assert [r["text_chunks"] for r in res["requests"]] == [6] * 4  # one " id" piece per token
+            # Tokens that reach the front end together share a chunk: 1 to 6 chunks for 6 tokens.
+            assert all(1 <= r["text_chunks"] <= 6 for r in res["requests"])
             assert m["tpot_ms"]["p99"] > 0 and m["ttft_ms"]["p99"] > 0
             assert cost["joules_per_output_token"] is None and cost["gpu_unavailable"]
             assert cost["server_cpu_s_per_1k_tokens"] > 0
