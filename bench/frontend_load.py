@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,14 +35,13 @@ sys.path.insert(0, str(ROOT))
 from bench.http_sweep import (  # noqa: E402
     MODEL_NAME,
     Geometry,
+    appliance_server,
     gpu_name,
     model_defaults,
     ms,
-    profile_text,
     prompts,
     request_tpot_s,
 )
-from bench.server_process import ServerProcess  # noqa: E402
 from blink_appliance.bench.load_generator import LoadConfig, run_load  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -124,11 +122,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "gpu": gpu_name(args.device),
         "model": args.model, "geometry": geo.spec, "batch": args.batch, "command": " ".join(sys.argv),
     }  # fmt: skip
-    work = Path(tempfile.mkdtemp(prefix="blink-frontend-load-"))
-    (path := work / "profile.toml").write_text(profile_text(geo, args, f"blink-fl-{int(time.time())}"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    log = args.out.parent / f"{args.out.stem}.log"
-    server = ServerProcess(geo.spec, [sys.executable, "-m", "blink_appliance.cli", "up", str(path)], log)
+    server, _ = appliance_server(geo, args, args.out.parent / f"{args.out.stem}.log")
     server.start(300)
     try:
         asyncio.run(waves(server.url, args, 0.1))  # one warm-up wave

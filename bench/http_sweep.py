@@ -167,12 +167,8 @@ def sweep_geometry(geo: Geometry, args: argparse.Namespace, deadline: float, out
     if deadline - time.monotonic() < STOP_RESERVE_S + 30:
         out["error"] = "not started: the time budget is spent"
         return
-    work = Path(tempfile.mkdtemp(prefix="blink-http-sweep-"))
-    text = profile_text(geo, args, f"blink-sweep-{os.getpid()}-{geo.spec.replace('/', '-')}")
-    (path := work / "profile.toml").write_text(text)
-    out["profile"] = text
     log = args.out.parent / f"{args.out.stem}-{geo.spec.replace('/', '-')}.log"
-    server = ServerProcess(geo.spec, [sys.executable, "-m", "blink_appliance.cli", "up", str(path)], log)
+    server, out["profile"] = appliance_server(geo, args, log)
     until = deadline - STOP_RESERVE_S
     try:
         server.start(min(args.startup_timeout, until - time.monotonic()))
@@ -198,6 +194,17 @@ def sweep_geometry(geo: Geometry, args: argparse.Namespace, deadline: float, out
         out["exit_code"] = server.stop(15.0)
         if out["error"] or any(c.get("failed") or "skipped" in c for c in out["cases"]):
             out["log_tail"] = server.log_tail(40)
+
+
+def appliance_server(geo: Geometry, args: argparse.Namespace, log: Path) -> tuple[ServerProcess, str]:
+    """`blink-appliance up` on this geometry's profile (written to a fresh temp dir, its own shm
+    name), not started, logging to `log`; and the profile's text."""
+    work = Path(tempfile.mkdtemp(prefix="blink-bench-"))
+    text = profile_text(geo, args, f"blink-bench-{os.getpid()}-{geo.spec.replace('/', '-')}")
+    (path := work / "profile.toml").write_text(text)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "blink_appliance.cli", "up", str(path)]
+    return ServerProcess(geo.spec, argv, log), text
 
 
 def say(message: str) -> None:

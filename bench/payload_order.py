@@ -21,7 +21,6 @@ import datetime
 import json
 import random
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -31,8 +30,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.http_sweep import MODEL_NAME, Geometry, gpu_name, model_defaults, profile_text  # noqa: E402
-from bench.server_process import ServerProcess, ServerStartError  # noqa: E402
+from bench.http_sweep import MODEL_NAME, Geometry, appliance_server, gpu_name, model_defaults  # noqa: E402
+from bench.server_process import ServerStartError  # noqa: E402
 
 COUNTERS = ("blink_ring_payload_waits_total", "blink_generation_tokens_total")
 
@@ -136,11 +135,7 @@ def main() -> int:
         "gpu": gpu_name(args.device), "model": args.model, "dtype": args.dtype, "geometry": geo.spec,
         "command": " ".join(sys.argv), "runs": [],
     }  # fmt: skip
-    work = Path(tempfile.mkdtemp(prefix="blink-payload-order-"))
-    (path := work / "profile.toml").write_text(profile_text(geo, args, f"blink-po-{int(time.time())}"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    log = args.out.parent / f"{args.out.stem}.log"
-    server = ServerProcess(geo.spec, [sys.executable, "-m", "blink_appliance.cli", "up", str(path)], log)
+    server, _ = appliance_server(geo, args, args.out.parent / f"{args.out.stem}.log")
     try:
         server.start(args.startup_timeout)
         report["startup_s"] = round(server.ready_after_s or 0.0, 1)
