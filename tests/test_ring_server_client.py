@@ -25,6 +25,7 @@ from tests.ring_support import (
     server_thread,
     shm_region,
     submit_when_free,
+    wait_until_async,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -458,3 +459,19 @@ async def test_a_new_front_end_cancels_the_requests_its_dead_predecessor_left_op
                 assert time.monotonic() - start < 2.0, "the dead front end's requests were not cancelled"
                 await asyncio.sleep(0.01)
             assert len(ids) == 4
+
+
+async def test_events_queued_before_the_consumer_comes_arrive_as_one_batch():
+    """stream_batches hands over everything queued at once (the front end's one chunk per batch):
+    a request whose tokens all arrived while nobody read is a single batch, terminal last."""
+    with shm_region() as transport, server_thread(CounterEngine(), transport):
+        async with client_for(transport) as client:
+            rid = client.submit([5, 6], SamplingParams(max_tokens=5))
+            await wait_until_async(
+                lambda: client.telemetry()["inflight"] == 0, "the request's slot to be freed"
+            )
+            batches = [batch async for batch in client.stream_batches(rid)]
+    assert len(batches) == 1
+    events = batches[0]
+    assert sum(e.token_id is not None for e in events) == 5
+    assert events[-1].finish_reason is FinishReason.LENGTH and not any(e.finished for e in events[:-1])

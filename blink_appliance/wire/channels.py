@@ -29,8 +29,9 @@ class Pending:
 
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
         """The first `n` tokens as non-final events."""
-        for i in range(n):
-            self.queue.put_nowait(TokenEvent(self.request_id, int(tokens[i]), timestamp_ns=int(times[i])))
+        # tolist() once: numpy scalar indexing per token was a visible share of a saturated front end.
+        for token, stamp in zip(tokens[:n].tolist(), times[:n].tolist(), strict=True):
+            self.queue.put_nowait(TokenEvent(self.request_id, token, timestamp_ns=stamp))
 
     def emit_terminal(self, status: np.void, token: int | None, stamp: int) -> None:
         """The engine's terminal event, from the channel's status."""
