@@ -80,7 +80,7 @@ def _race_kernel(
             out_index = tl.load(out_index_ptr + r).to(tl.uint64)
             key = _mix(seed + (out_index + 1) * GAMMA)
             bits = _mix(key + (idx.to(tl.uint64) + 1) * GAMMA)
-            u = ((bits >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             score = tl.where(keep, x - _log(-_log(u, PRECISE), PRECISE), float("-inf"))
             best = tl.max(score, 0)
             best_index = c * CHUNK + tl.argmax(score, 0)

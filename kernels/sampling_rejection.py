@@ -95,7 +95,7 @@ def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
     """The race's score x - log(-log(u)), u the counter hash of (seed, output index, token)."""
     key = _mix(seed.to(tl.uint64) + (out_index.to(tl.uint64) + 1) * GAMMA)
     bits = _mix(key + (idx.to(tl.uint64) + 1) * GAMMA)
-    u = ((bits >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return x - _log(-_log(u, PRECISE), PRECISE)
 
 

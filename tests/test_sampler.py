@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from blink_appliance.engine.reference.rng import mix_int, uniform_int, uniforms
+from blink_appliance.engine.reference.rng import _to_uniform, mix_int, uniform_int, uniforms
 from blink_appliance.engine.reference.sampler import SamplingTensors, filter_mask, sample
 from blink_appliance.wire.request import SamplingParams
 
@@ -26,6 +26,15 @@ def test_rng_is_splitmix64_bit_for_bit():
     ref = torch.tensor([[uniform_int(s, n, i) for i in range(37)] for s, n in zip(seeds, index, strict=True)])
     assert torch.equal(u, ref.to(torch.float32))
     assert bool(((u > 0) & (u < 1)).all())
+
+
+def test_no_uniform_rounds_to_one():
+    """u = 1 would make -log(u) = 0: that token wins the race whatever its logit. With 24 bits the top
+    hash value rounded to 1.0 in float32, once per 2**24 tokens (0.8% of steps at a 128k vocabulary)."""
+    all_ones = torch.tensor([-1], dtype=torch.int64)  # every one of the 64 bits set
+    top = _to_uniform(all_ones).item()
+    assert top < 1.0
+    assert top == 1.0 - 2.0**-24  # still exact in float32
 
 
 def test_rng_streams_look_uniform_and_independent():

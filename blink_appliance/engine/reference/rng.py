@@ -7,7 +7,7 @@ the device. The definition (docs/engine.md, "Random numbers") is splitmix64 used
     mix(z)    = z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31
     key       = mix(seed      + (output_index + 1) * GAMMA)      # GAMMA = 0x9E3779B97F4A7C15
     bits      = mix(key       + (vocab_index  + 1) * GAMMA)
-    u         = ((bits >> 40) + 0.5) * 2**-24                    # float32, exactly, in (0, 1)
+    u         = ((bits >> 41) + 0.5) * 2**-23                    # float32, exactly, in (0, 1)
 
 all in unsigned 64-bit arithmetic (wrapping), `>>` a logical shift. torch has no uint64 arithmetic on
 every backend, so this runs on int64 (two's complement wraps the same for +, *, ^) and masks the bits
@@ -22,7 +22,9 @@ MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
-UNIFORM_BITS = 24  # float32 holds 24 significant bits, so u is exact on every device
+# k + 0.5 for k < 2**23 needs 24 significant bits: exact in float32 on every device, and at most
+# 1 - 2**-24. With 24 bits the top value rounded to exactly 1.0 (log u = 0: that token always won).
+UNIFORM_BITS = 23
 
 
 def _signed(x: int) -> int:
