@@ -10,9 +10,16 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
+from blink_appliance.profile import (
+    Profile,
+    ProfileError,
+    load_profile,
+    region_name,
+    ring_geometry,
+)
 
 if TYPE_CHECKING:
+    from blink_appliance.engine.plan import ModelPlan
     from blink_appliance.model.config import ModelConfig
 
 
@@ -41,14 +48,36 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_profile(profile: Profile, *, load: bool) -> list[str]:
-    """Print what the profile resolves to; raise ProfileError naming the key of the first problem.
-    Returns what could not be checked here (a model not pulled yet, a device this machine lacks)."""
+    """Print what the profile resolves to, model by model and device by device; raise ProfileError
+    naming the key of the first problem. Returns what could not be checked here (a model not pulled
+    yet, a device this machine lacks)."""
+    unchecked: list[str] = []
+    configs: dict[int, ModelConfig] = {}
+    for i in range(len(profile.models)):
+        config = _check_model(profile, i, load=load)
+        if config is None:
+            unchecked.append(
+                f"models[{i}]: the checkpoint and the memory plan (the model is not pulled yet)"
+                if len(profile.models) > 1
+                else "the checkpoint and the memory plan (the model is not pulled yet)"
+            )
+        else:
+            configs[i] = config
+    unchecked += _check_plans(profile, configs)
+    if load:
+        for source, seed in dict.fromkeys((m.model_source, m.seed) for m in profile.models):
+            _load_weights(source, seed)
+    _print_rings_and_front_end(profile)
+    return unchecked
+
+
+def _check_model(profile: Profile, index: int, *, load: bool) -> ModelConfig | None:
+    """models[index]'s checkpoint metadata, printed; None when a named model is not pulled yet."""
     from blink_appliance.model.metadata import ModelNotCached, read_checkpoint_info
     from blink_appliance.model.sources import parse_source
 
-    m = profile.model
-    key = "models[0].source" if m.source is not None else "models[0].name"
-    unchecked: list[str] = []
+    m = profile.models[index]
+    key = f"models[{index}].source" if m.source is not None else f"models[{index}].name"
     try:
         if load:
             from blink_appliance.daemon import ensure_model
@@ -57,62 +86,138 @@ def _check_profile(profile: Profile, *, load: bool) -> list[str]:
         info = read_checkpoint_info(m.model_source)
     except ModelNotCached as e:
         print(f"model: {e}")
-        unchecked.append("the checkpoint and the memory plan (the model is not pulled yet)")
-        info = None
+        return None
     except (FileNotFoundError, ValueError) as e:
         raise ProfileError(f"{key}: {e}") from None
-    if info is not None:
-        print(info.describe())
-        if info.tokenizer is None and parse_source(m.model_source)[0] != "dummy":
-            raise ProfileError(
-                f"{key}: {m.model_source!r} has no tokenizer (tokenizer.json), and the HTTP front end needs one"
+    print(info.describe())
+    if info.tokenizer is None and parse_source(m.model_source)[0] != "dummy":
+        raise ProfileError(
+            f"{key}: {m.model_source!r} has no tokenizer (tokenizer.json), and the HTTP front end needs one"
+        )
+    return info.config
+
+
+def _check_plans(profile: Profile, configs: dict[int, ModelConfig]) -> list[str]:
+    """Each model's memory plan and loop geometry, then each CUDA device's SMs and memory; a CUDA
+    device this machine lacks is said, not guessed."""
+    from blink_appliance.engine.plan import resolve_plans
+
+    # The models of one device plan together: their kv_fractions share what all their weights leave.
+    present = {i: c for i, c in configs.items() if _missing_device(profile.models[i].device) is None}
+    plans = resolve_plans(profile, present)
+    unchecked = []
+    for i, config in configs.items():
+        m = profile.models[i]
+        missing = _missing_device(m.device)
+        if missing is None:
+            print(plans[i].describe())
+        else:
+            plans[i] = _plan_without_device(profile, i, config)
+        if profile.uses_loop_of(i):
+            from blink_appliance.engine.loop.geometry import loop_geometry
+
+            g = loop_geometry(profile, plans[i], config, index=i)
+            print(
+                f"engine {profile.engine_mode_of(i)}: the GPU loop, {g.num_slots} request slots, "
+                f"{g.max_num_seqs} sequences a step, forward buckets {list(g.buckets)} tokens"
             )
-        unchecked += _check_plan(profile, info.config)
-    if load:
-        _load_weights(m.model_source, m.seed)
-    _print_rings_and_front_end(profile)
+        else:
+            print(f"engine {profile.engine_mode_of(i)}: the CPU reference engine")
+        if missing is not None:
+            print(f"device {m.device}: {missing}")
+            what = "the device and the KV cache size" if m.kv_fraction is not None else "the device"
+            unchecked.append(
+                f"{what} ({missing})" if len(profile.models) == 1 else f"models[{i}]: {what} ({missing})"
+            )
+    return unchecked + _check_devices(profile, plans)
+
+
+def _plan_without_device(profile: Profile, index: int, config: ModelConfig) -> ModelPlan:
+    """Without the device the budget of kv_fraction is unknown: plan with room for every block the
+    limits can use (the other checks still run), and say so instead of printing a size."""
+    from blink_appliance.engine.plan import resolve_plan
+
+    m = profile.models[index]
+    plan = resolve_plan(m, config, available_bytes=1 << 62, index=index)
+    lines = plan.describe().splitlines()
+    if m.kv_fraction is not None:
+        lines = [
+            f"  kv cache       kv_fraction={m.kv_fraction} of {m.device}'s free memory after the weights, "
+            f"sized when the engine starts (at most {plan.num_kv_blocks} blocks x {plan.block_size} tokens "
+            "are used)"
+            if line.startswith("  kv cache")
+            else line
+            for line in lines
+        ]
+    print("\n".join(lines))
+    return plan
+
+
+def _check_devices(profile: Profile, plans: dict[int, ModelPlan]) -> list[str]:
+    """Each CUDA device's models: their SMs (an MPS share, or the whole GPU) and memory (weights +
+    KV); refused when they exceed the device, naming the keys."""
+    from blink_appliance.gpu_sharing import mps_needed, plan_shares
+
+    by_device: dict[str, list[int]] = {}
+    for i, m in enumerate(profile.models):
+        if m.device != "cpu":
+            by_device.setdefault(m.device, []).append(i)
+    unchecked = []
+    present = [d for d in by_device if _missing_device(d) is None]
+    for device in by_device:
+        if device not in present and any(profile.models[i].sm_count is not None for i in by_device[device]):
+            unchecked.append(f"the SM shares of {device} (their sum against its SMs)")
+    shares = {}
+    if mps_needed(profile) and present:
+        shares = {s.model_index: s for s in plan_shares(profile, _device_sms) if s.device in present}
+    for device in present:
+        indices = by_device[device]
+        total_memory = _device_memory(device)
+        print(f"device {device}: {_device_sms(device)} SMs, {_fmt_gib(total_memory)} memory")
+        for i in indices:
+            m = profile.models[i]
+            share = shares[i].describe() if i in shares else "the whole GPU"
+            memory = (
+                f"weights {_fmt_gib(plans[i].weights_bytes)} + KV {_fmt_gib(plans[i].kv_bytes)}"
+                if i in plans
+                else "memory not planned (the model is not pulled yet)"
+            )
+            print(f"  models[{i}] {m.name!r}: SMs {share}; {memory}")
+        used = sum(plans[i].weights_bytes + plans[i].kv_bytes for i in indices if i in plans)
+        if used > total_memory:
+            keys = " + ".join(
+                f"models[{i}].kv_budget_gib"
+                if profile.models[i].kv_budget_gib is not None
+                else f"models[{i}].kv_fraction"
+                for i in indices
+            )
+            raise ProfileError(
+                f"{keys}: the weights and KV caches of {device}'s models take {_fmt_gib(used)}, more than "
+                f"its {_fmt_gib(total_memory)}"
+            )
+        print(
+            f"  together {_fmt_gib(used)} of {_fmt_gib(total_memory)}; CUDA graphs and workspaces come on "
+            "top (not estimated)"
+        )
+    if shares:
+        print("several GPU loops on one device, or sm_count: each model's engine runs under MPS at its share")
     return unchecked
 
 
-def _check_plan(profile: Profile, config: ModelConfig) -> list[str]:
-    """The memory plan and the loop's geometry; a CUDA device this machine lacks is said, not guessed."""
-    from blink_appliance.engine.plan import resolve_plan
+def _device_sms(device: str) -> int:
+    import torch
 
-    m = profile.model
-    missing = _missing_device(m.device)
-    if missing is None:
-        plan = resolve_plan(m, config)
-        print(plan.describe())
-    else:
-        # Without the device the budget of kv_fraction is unknown: plan with room for every block
-        # the limits can use (the other checks still run), and say so instead of printing a size.
-        plan = resolve_plan(m, config, available_bytes=1 << 62)
-        lines = plan.describe().splitlines()
-        if m.kv_fraction is not None:
-            lines = [
-                f"  kv cache       kv_fraction={m.kv_fraction} of {m.device}'s free memory after the weights, "
-                f"sized when the engine starts (at most {plan.num_kv_blocks} blocks x {plan.block_size} tokens "
-                "are used)"
-                if line.startswith("  kv cache")
-                else line
-                for line in lines
-            ]
-        print("\n".join(lines))
-    if profile.uses_loop:
-        from blink_appliance.engine.loop.geometry import loop_geometry
+    return torch.cuda.get_device_properties(int(device.split(":")[1])).multi_processor_count
 
-        g = loop_geometry(profile, plan, config)
-        print(
-            f"engine {profile.engine_mode}: the GPU loop, {g.num_slots} request slots, {g.max_num_seqs} sequences "
-            f"a step, forward buckets {list(g.buckets)} tokens"
-        )
-    else:
-        print(f"engine {profile.engine_mode}: the CPU reference engine")
-    if missing is None:
-        return []
-    print(f"device {m.device}: {missing}")
-    what = "the device and the KV cache size" if m.kv_fraction is not None else "the device"
-    return [f"{what} ({missing})"]
+
+def _device_memory(device: str) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(int(device.split(":")[1])).total_memory
+
+
+def _fmt_gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _missing_device(device: str) -> str | None:
@@ -138,13 +243,17 @@ def _load_weights(source: str, seed: int) -> None:
 def _print_rings_and_front_end(profile: Profile) -> None:
     from blink_appliance.wire.ring_layout import region_size
 
-    geometry = ring_geometry(profile)
+    for i in range(len(profile.models)):
+        geometry = ring_geometry(profile, i)
+        which = f"models[{i}] " if len(profile.models) > 1 else ""
+        print(
+            f"{which}rings /dev/shm/{region_name(profile, i)}: {region_size(geometry) / 2**20:.1f} MiB "
+            f"({geometry.max_inflight} in flight, {geometry.request_slots} request slots, "
+            f"{geometry.arena_tokens} prompt tokens)"
+        )
+    if len(profile.models) > 1:
+        print(f"engine processes: {len(profile.models)}, one per model")
     fe = profile.frontend
-    print(
-        f"rings /dev/shm/{profile.appliance.shm_name}: {region_size(geometry) / 2**20:.1f} MiB "
-        f"({geometry.max_inflight} in flight, {geometry.request_slots} request slots, "
-        f"{geometry.arena_tokens} prompt tokens)"
-    )
     auth = "bearer keys" if fe.api_keys else "no API keys (BLINK_API_KEY may add one)"
     print(f"front end http://{fe.host}:{fe.port} over {fe.transport}, {auth}")
 

@@ -1,16 +1,20 @@
 """The daemon behind `blink-appliance up`: create the rings, start and supervise both processes, drain.
 
 Order of life:
-  1. validate the profile, check the front end's port can be listened on and the model's files exist
-     (seconds, before anything loads: each failure is one line), pull a named model (both processes
-     read it from the local cache);
-  2. create the shared region (this process owns it and unlinks it at exit);
-  3. start the engine process, wait until it reports RUNNING on the ring;
+  1. validate the profile, check the front end's port can be listened on and every model's files
+     exist (seconds, before anything loads: each failure is one line), pull the named models (both
+     processes read them from the local cache);
+  2. create one shared region per model (profile.region_name; this process owns them and unlinks
+     them at exit);
+  3. start one engine process per model (several GPU loops on one device, or any sm_count: under a
+     private MPS control daemon, each process at its SM share, blink_appliance/mps.py), wait until
+     each reports RUNNING on its region;
   4. start the front-end process, wait for its ready file, print the URL;
   5. supervise: a crashed engine is restarted (its in-flight requests were already failed by the
-     front end, which keeps serving); a crashed front end is restarted too;
+     front end, which keeps serving the other models); a crashed front end is restarted too;
   6. on SIGTERM/SIGINT: the front end drains (503 for new work, in-flight finishes or is
-     cancelled after appliance.drain_timeout_s), then the engine stops, the region goes, exit 0.
+     cancelled after appliance.drain_timeout_s), then the engines stop, MPS quits, the regions go,
+     exit 0.
 """
 
 from __future__ import annotations
@@ -26,16 +30,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blink_appliance.processes import set_on_signals
-from blink_appliance.profile import Profile, ProfileError, ring_geometry
+from blink_appliance.profile import Profile, ProfileError, region_name, ring_geometry
 from blink_appliance.wire.client import ENGINE_STALL_LIMIT_S
 from blink_appliance.wire.lifecycle import mark_engine_exited
 
 if TYPE_CHECKING:
+    from blink_appliance.gpu_sharing import MpsControl
     from blink_appliance.wire.region import RingRegion
 
 log = logging.getLogger("blink_appliance.daemon")
@@ -70,12 +75,14 @@ class _Child:
     argv: list[str]
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the daemon's environment
 
     def start(self) -> None:
         # A session of its own: a signal to the daemon's process group (Ctrl-C, `timeout`,
         # `kill -- -PGID`) reaches the daemon alone, which drains the front end before it stops the
         # engine. A child outlives a killed daemon by at most its parent watch's half second.
-        self.proc = subprocess.Popen(self.argv, start_new_session=True)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.argv, start_new_session=True, env=env)
         say(f"{self.name} started (pid {self.proc.pid})")
 
     @property
@@ -120,6 +127,16 @@ class HeartbeatWatch:
         return still if still > self.limit_s else None
 
 
+@dataclasses.dataclass
+class EngineGroup:
+    """One engine process and the model it serves (its index in profile.models, a tuple so that
+    the supervision reads the same for every region it watches), with its region's heartbeat watch."""
+
+    indices: tuple[int, ...]
+    child: _Child
+    watches: list[HeartbeatWatch]
+
+
 class ApplianceDaemon:
     def __init__(
         self, profile: Profile, profile_path: Path, *, host: str | None = None, port: int | None = None
@@ -133,9 +150,22 @@ class ApplianceDaemon:
         self._ready_file = self._workdir / "frontend.url"
         me = str(os.getpid())
         py = sys.executable
-        self.engine = _Child(
-            "engine", [py, "-m", "blink_appliance.engine.process", str(profile_path), "--parent-pid", me]
-        )
+        many = len(profile.models) > 1
+        # An engine alive but stuck: the front end fails its streams at the stall limit, and the
+        # daemon then kills it so that the restart below serves again.
+        self.groups = [
+            EngineGroup(
+                (i,),
+                _Child(
+                    f"engine of {m.name}" if many else "engine",
+                    [py, "-m", "blink_appliance.engine.process", str(profile_path)]
+                    + ["--model", str(i), "--parent-pid", me],
+                ),
+                [HeartbeatWatch(ENGINE_STALL_LIMIT_S)],
+            )
+            for i, m in enumerate(profile.models)
+        ]
+        self.mps: MpsControl | None = None
         fe_argv = [
             py,
             "-m",
@@ -151,9 +181,19 @@ class ApplianceDaemon:
             fe_argv += ["--port", str(port)]
         self.frontend = _Child("frontend", fe_argv)
         self.url: str | None = None
-        # An engine alive but stuck: the front end fails its streams at the stall limit, and the
-        # daemon then kills it so that the restart below serves again.
-        self.engine_watch = HeartbeatWatch(ENGINE_STALL_LIMIT_S)
+
+    # The first group's engine and its first region's watch: all there is in a one-model appliance.
+    @property
+    def engine(self) -> _Child:
+        return self.groups[0].child
+
+    @engine.setter
+    def engine(self, child: _Child) -> None:
+        self.groups[0].child = child
+
+    @property
+    def engine_watch(self) -> HeartbeatWatch:
+        return self.groups[0].watches[0]
 
     # -- the whole life ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -162,57 +202,122 @@ class ApplianceDaemon:
         from blink_appliance.wire.shm_transport import RegionInUseError, ShmTransport
 
         set_on_signals(self._stop, (signal.SIGTERM, signal.SIGINT))
-        ensure_model(self.profile.model.model_source)
-        geometry = ring_geometry(self.profile)
+        for source in dict.fromkeys(m.model_source for m in self.profile.models):
+            ensure_model(source)
+        transports: list[ShmTransport] = []
+        regions: list[RingRegion] = []
         try:
-            transport = ShmTransport.create(self.profile.appliance.shm_name, region_size(geometry))
-        except RegionInUseError as e:
-            say(f"error: {e}; is another appliance running? Give this one its own [appliance] shm_name")
-            return 1
-        region = RingRegion.create(transport, geometry)
-        say(f"ring region /dev/shm/{self.profile.appliance.shm_name}: {transport.size / 2**20:.1f} MiB")
-        try:
-            self._start_engine(region)
-            if not self._stop.is_set():
-                self._start_frontend()
-            if self._stop.is_set():  # stopped while starting: never "ready"
-                return self._shutdown(region)
-            say(f"ready: {self.url}  (model {self.profile.model.name}; SIGTERM or Ctrl-C drains and stops)")
-            print(self.url, flush=True)  # stdout carries only the URL, for scripts
-            self._supervise(region)
-            return self._shutdown(region)
-        except StartupError as e:
-            say(f"error: {e}")
-            self._shutdown(region)
-            return 1
+            for i in range(len(self.profile.models)):
+                name, geometry = region_name(self.profile, i), ring_geometry(self.profile, i)
+                try:
+                    transport = ShmTransport.create(name, region_size(geometry))
+                except RegionInUseError as e:
+                    say(
+                        f"error: {e}; is another appliance running? Give this one its own [appliance] shm_name"
+                    )
+                    return 1
+                transports.append(transport)
+                regions.append(RingRegion.create(transport, geometry))
+                say(f"ring region /dev/shm/{name}: {transport.size / 2**20:.1f} MiB")
+            return self._serve(regions)
         finally:
-            transport.close()
+            for transport in transports:
+                transport.close()
             self._ready_file.unlink(missing_ok=True)
             self._workdir.rmdir()
 
-    def _start_engine(self, region: RingRegion) -> None:
-        from blink_appliance.wire.ring_layout import EngineState
+    def _serve(self, regions: list[RingRegion]) -> int:
+        try:
+            self._share_gpus()
+            self._start_engines(regions)
+            if not self._stop.is_set():
+                self._start_frontend()
+            if self._stop.is_set():  # stopped while starting: never "ready"
+                return self._shutdown(regions)
+            names = [m.name for m in self.profile.models]
+            what = f"model {names[0]}" if len(names) == 1 else f"models {', '.join(names)}"
+            say(f"ready: {self.url}  ({what}; SIGTERM or Ctrl-C drains and stops)")
+            print(self.url, flush=True)  # stdout carries only the URL, for scripts
+            self._supervise(regions)
+            return self._shutdown(regions)
+        except StartupError as e:
+            say(f"error: {e}")
+            self._shutdown(regions)
+            return 1
 
-        epoch = region.load("engine_epoch")
+    def _share_gpus(self) -> None:
+        """Several models on one GPU: the device's free memory, read once for their kv_fractions,
+        and when GPU loops share it (or one has sm_count) a private MPS daemon, each engine at its
+        SM share (blink_appliance/gpu_sharing.py)."""
+        from blink_appliance import gpu_sharing
+
+        try:
+            for device in gpu_sharing.shared_devices(self.profile):
+                free = str(gpu_sharing.device_free_bytes(device))
+                for group in self.groups:
+                    if self.profile.models[group.indices[0]].device == device:
+                        group.child.argv += ["--device-free-bytes", free]
+            if not gpu_sharing.mps_needed(self.profile):
+                return
+            shares = gpu_sharing.plan_shares(self.profile, gpu_sharing.device_sm_count)
+            self.mps = gpu_sharing.MpsControl(self._workdir)
+            self.mps.start()
+        except (gpu_sharing.MpsError, ProfileError) as e:
+            raise StartupError(str(e)) from None
+        say(f"MPS control daemon started (pipes in {self.mps.pipe_dir})")
+        for share in shares:
+            group = self.groups[share.model_index]
+            group.child.env = self.mps.client_env(share)
+            say(f"{group.child.name}: {share.describe()}")
+
+    def _start_engines(self, regions: Sequence[RingRegion]) -> None:
+        """Start every group's engine at once (they load in parallel), then wait for each."""
+        epochs = [self._launch(group, regions) for group in self.groups]
+        for group, epoch in zip(self.groups, epochs, strict=True):
+            self._await_engine(group, regions, epoch)
+
+    def _start_engine(
+        self, regions: RingRegion | Sequence[RingRegion], group: EngineGroup | None = None
+    ) -> None:
+        """Start one group's engine (default: the first) and wait until it serves every region."""
+        regions = _as_list(regions)
+        group = self.groups[0] if group is None else group
+        self._await_engine(group, regions, self._launch(group, regions))
+
+    @staticmethod
+    def _launch(group: EngineGroup, regions: Sequence[RingRegion]) -> list[int]:
+        """Start the group's process; returns each of its regions' epoch from before."""
+        epochs = [regions[i].load("engine_epoch") for i in group.indices]
         # A shutdown word left from before (a stray write, an engine's own request) must not stop
         # the engine this starts: the daemon's own stop is its event, checked below.
-        region.store("shutdown", 0)
-        self.engine.start()
+        for i in group.indices:
+            regions[i].store("shutdown", 0)
+        group.child.start()
+        return epochs
+
+    def _await_engine(self, group: EngineGroup, regions: Sequence[RingRegion], epochs: list[int]) -> None:
+        from blink_appliance.wire.ring_layout import EngineState
+
+        engine = group.child
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while not self._stop.is_set():
             # Ours once it took a new epoch with its own pid: "greater than" would never hold after a
             # corrupt epoch word wrapped (begin_epoch), and the daemon would give up on a live engine.
-            ours = region.load("engine_pid") == self.engine.pid and region.load("engine_epoch") != epoch
-            if ours and region.load("engine_state") == EngineState.RUNNING:
-                say("engine is serving")
+            if all(
+                regions[i].load("engine_pid") == engine.pid
+                and regions[i].load("engine_epoch") != epoch
+                and regions[i].load("engine_state") == EngineState.RUNNING
+                for i, epoch in zip(group.indices, epochs, strict=True)
+            ):
+                say(f"{engine.name} is serving")
                 return
-            code = self.engine.exited()
+            code = engine.exited()
             if code is not None:
                 raise StartupError(
-                    f"the engine process exited with code {code} while starting (see its output above)"
+                    f"the {engine.name} process exited with code {code} while starting (see its output above)"
                 )
             if time.monotonic() > deadline:
-                raise StartupError(f"the engine did not start within {ENGINE_START_TIMEOUT_S:.0f}s")
+                raise StartupError(f"the {engine.name} did not start within {ENGINE_START_TIMEOUT_S:.0f}s")
             time.sleep(0.05)
 
     def _start_frontend(self) -> None:
@@ -232,31 +337,48 @@ class ApplianceDaemon:
             time.sleep(0.05)
         self.url = self._ready_file.read_text().strip()
 
-    def _supervise(self, region: RingRegion) -> None:
+    def _supervise(self, regions: RingRegion | Sequence[RingRegion]) -> None:
+        regions = _as_list(regions)
         while not self._stop.wait(0.2):
-            self._repair_header(region)
-            code = self.engine.exited()
-            if code is not None:
-                mark_engine_exited(region)
-                say(f"engine exited with code {code}; its in-flight requests were failed")
-                self._restart(self.engine, lambda: self._start_engine(region))
-                self.engine_watch = HeartbeatWatch(self.engine_watch.limit_s)  # a full window for the new one
-            elif (stuck := self.engine_watch.stuck_for(region)) is not None:
-                say(f"engine heartbeat stood still for {stuck:.0f} s; killing it (pid {self.engine.pid})")
-                self.engine.kill()  # the next round sees the exit: FAILED, then a restart
+            for i, region in enumerate(regions):
+                self._repair_header(region, region_name(self.profile, i))
+            for group in self.groups:
+                self._watch_engine(group, regions)
             code = self.frontend.exited()
             if code is not None:
                 say(f"front end exited with code {code}")
                 self._restart(self.frontend, self._start_frontend)
 
+    def _watch_engine(self, group: EngineGroup, regions: Sequence[RingRegion]) -> None:
+        """A group's engine that exited is marked on each of its regions and restarted; one whose
+        heartbeat stood still on any of them is killed (the next round restarts it)."""
+        engine = group.child
+        code = engine.exited()
+        if code is not None:
+            for i in group.indices:
+                mark_engine_exited(regions[i])
+            say(f"{engine.name} exited with code {code}; its in-flight requests were failed")
+            self._restart(engine, lambda: self._start_engine(regions, group))
+            group.watches = [HeartbeatWatch(w.limit_s) for w in group.watches]  # a full window each
+            return
+        for i, watch in zip(group.indices, group.watches, strict=True):
+            stuck = watch.stuck_for(regions[i])
+            if stuck is not None:
+                say(
+                    f"{engine.name} heartbeat on /dev/shm/{region_name(self.profile, i)} stood still for "
+                    f"{stuck:.0f} s; killing it (pid {engine.pid})"
+                )
+                engine.kill()  # the next round sees the exit: FAILED, then a restart
+                return
+
     @staticmethod
-    def _repair_header(region: RingRegion) -> None:
+    def _repair_header(region: RingRegion, name: str) -> None:
         """The region's header is the daemon's (it created the region): every process it starts
         attaches through it, so one overwritten would make each restart fail and the daemon give up.
         The processes serving now read it only when they attach: rewriting it is all that is needed."""
         fault = region.header_fault()
         if fault is not None:
-            say(f"the ring region's header was overwritten ({fault}); rewriting it")
+            say(f"the ring region {name}'s header was overwritten ({fault}); rewriting it")
             region.write_header()
 
     def _restart(self, child: _Child, start: Callable[[], None]) -> None:
@@ -270,19 +392,28 @@ class ApplianceDaemon:
         say(f"restarting {child.name} ({len(child.restarts)}/{limit})")
         start()
 
-    def _shutdown(self, region: RingRegion) -> int:
-        """Front end first (it drains), then the engine; exit code 0 when both went cleanly."""
+    def _shutdown(self, regions: Sequence[RingRegion]) -> int:
+        """Front end first (it drains), then the engines; exit code 0 when all went cleanly."""
         say("draining")
         drain = self.profile.appliance.drain_timeout_s
         fe_code = self.frontend.stop(drain + 10.0)
-        region.store("shutdown", 1)
-        engine_code = self.engine.stop(15.0)
-        say(f"stopped (front end exit {fe_code}, engine exit {engine_code})")
+        for region in regions:  # every engine starts stopping now, not after the one before it
+            region.store("shutdown", 1)
+        codes = {group.child.name: group.child.stop(15.0) for group in self.groups}
+        if self.mps is not None:
+            self.mps.stop()  # after the engines: they are its clients
+        engines = ", ".join(f"{name} exit {code}" for name, code in codes.items())
+        say(f"stopped (front end exit {fe_code}, {engines})")
         # -SIGTERM: the child was already exiting (the engine on the shutdown word, either on a
         # signal sent to it alone) and ours landed during its interpreter shutdown, where Python's
         # handlers are gone. Both install theirs before they report ready: it stopped as asked.
         clean = (0, None, -signal.SIGTERM)
-        return 0 if fe_code in clean and engine_code in clean else 1
+        return 0 if all(code in clean for code in (fe_code, *codes.values())) else 1
+
+
+def _as_list(regions: RingRegion | Sequence[RingRegion]) -> list[RingRegion]:
+    """One region per model, by index; a single region stands for a one-model profile's."""
+    return list(regions) if isinstance(regions, Sequence) else [regions]
 
 
 def check_port(host: str, port: int, key: str = "frontend.port") -> None:
@@ -315,13 +446,14 @@ def preflight(profile: Profile, *, port_key: str = "frontend.port") -> None:
     """What `up` can find wrong in a second, before it creates the rings or starts the engine."""
     from blink_appliance.model.metadata import check_source_files
 
-    fe, m = profile.frontend, profile.model
+    fe = profile.frontend
     check_port(fe.host, fe.port, port_key)
-    try:
-        check_source_files(m.model_source)
-    except (FileNotFoundError, ValueError) as e:
-        key = "models[0].source" if m.source is not None else "models[0].name"
-        raise StartupError(f"{key}: {e}") from None
+    for i, m in enumerate(profile.models):
+        try:
+            check_source_files(m.model_source)
+        except (FileNotFoundError, ValueError) as e:
+            key = f"models[{i}].source" if m.source is not None else f"models[{i}].name"
+            raise StartupError(f"{key}: {e}") from None
 
 
 def run_up(profile: Profile, profile_path: Path, *, host: str | None, port: int | None) -> int:

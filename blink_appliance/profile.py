@@ -3,7 +3,8 @@
 Loaded with tomllib into pydantic models that forbid unknown keys, so a typo is an error naming
 its key path (`models[0].kv_fration: unknown key`), never a silently ignored setting. Keys whose
 feature is not built yet are accepted by the schema only to be refused with a message that says
-so. `ring_geometry` derives the ring capacities both processes share; the engine sizes the rest
+so. A profile serves one or more models, each on a ring region of its own (`region_name`,
+`ring_geometry`) served by an engine process of its own; the engine sizes the rest
 from the model's architecture (engine/plan.py), and `blink-appliance check` prints that plan.
 """
 
@@ -69,7 +70,7 @@ class ModelSection(_Section):
     kv_budget_gib: float | None = None
     kv_fraction: float | None = None
     block_size: int = Field(default=16, ge=1, le=1024)
-    sm_count: int | None = None
+    sm_count: int | None = Field(default=None, ge=1)  # SMs of this model's partition (GPU loop only)
     seed: int = 0  # seed of dummy: weights
 
     @field_validator("device")
@@ -78,13 +79,6 @@ class ModelSection(_Section):
         if v == "cpu" or re.fullmatch(r"cuda:\d+", v):
             return v
         raise ValueError(f"{v!r}: expected 'cpu' or 'cuda:N'")
-
-    @field_validator("sm_count")
-    @classmethod
-    def _sm_count_refused(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError(f"{NOT_BUILT} (SM partitioning needs the GPU loop); remove the key")
-        return v
 
     @field_validator("kv_budget_gib")
     @classmethod
@@ -211,13 +205,9 @@ class Profile(_Section):
 
     @field_validator("models")
     @classmethod
-    def _one_model(cls, v: list[ModelSection]) -> list[ModelSection]:
+    def _some_models(cls, v: list[ModelSection]) -> list[ModelSection]:
         if not v:
             raise ValueError("at least one [[models]] entry is required")
-        if len(v) > 1:
-            raise ValueError(
-                f"{len(v)} models given; serving more than one model per appliance is {NOT_BUILT}"
-            )
         return v
 
     @field_validator("dpu")
@@ -229,66 +219,123 @@ class Profile(_Section):
 
     @property
     def model(self) -> ModelSection:
-        return self.models[0]
+        """The one model of a single-model profile; several models need an explicit index, so that
+        nothing serves models[0] alone by accident."""
+        return self.models[self._only_index()]
 
+    def _only_index(self) -> int:
+        if len(self.models) > 1:
+            raise ProfileError(f"the profile has {len(self.models)} models; use profile.models[i]")
+        return 0
+
+    # The single-model views of the per-model answers below (tests and one-model tools use them).
     @property
     def engine_mode(self) -> EngineMode:
-        if self.engine.mode is not None:
-            return self.engine.mode
-        return "reference" if self.model.device == "cpu" else "loop"
+        return self.engine_mode_of(self._only_index())
 
     @property
     def uses_loop(self) -> bool:
-        """Served by the GPU loop's code (mode "loop" or "host"), not the CPU reference engine."""
-        return self.engine_mode != "reference"
+        return self.uses_loop_of(self._only_index())
 
     @property
     def num_slots(self) -> int:
-        """Loop slots: every request the front end may have in flight, and at least one step's batch."""
-        if self.engine.num_slots is not None:
-            return self.engine.num_slots
-        return max(self.model.max_seqs, self.frontend.max_inflight)
+        return self.num_slots_of(self._only_index())
 
     @property
     def buckets(self) -> tuple[int, ...]:
+        return self.buckets_of(self._only_index())
+
+    def engine_mode_of(self, index: int) -> EngineMode:
+        """engine.mode when set (it applies to every model), else by models[index].device."""
+        if self.engine.mode is not None:
+            return self.engine.mode
+        return "reference" if self.models[index].device == "cpu" else "loop"
+
+    def uses_loop_of(self, index: int) -> bool:
+        """Served by the GPU loop's code (mode "loop" or "host"), not the CPU reference engine."""
+        return self.engine_mode_of(index) != "reference"
+
+    def num_slots_of(self, index: int) -> int:
+        """Loop slots: every request the front end may have in flight, and at least one step's batch."""
+        if self.engine.num_slots is not None:
+            return self.engine.num_slots
+        return max(self.models[index].max_seqs, self.frontend.max_inflight)
+
+    def buckets_of(self, index: int) -> tuple[int, ...]:
         if self.engine.buckets is not None:
             return tuple(self.engine.buckets)
-        budget = self.model.max_num_batched_tokens
+        budget = self.models[index].max_num_batched_tokens
         return tuple(b for b in _DEFAULT_BUCKETS if b < budget) + (budget,)
 
     def engine_errors(self) -> list[str]:
-        """Checks across sections ("key.path: why" each): the engine against the model's device."""
-        m, e, mode = self.model, self.engine, self.engine_mode
+        """Checks across sections ("key.path: why" each): the engine against every model's device."""
+        errors = [line for i in range(len(self.models)) for line in self._model_engine_errors(i)]
+        e = self.engine
+        if not any(self.uses_loop_of(i) for i in range(len(self.models))):
+            errors += [
+                f"engine.{key}: only the GPU loop uses it (engine.mode 'loop' or 'host')"
+                for key in ("num_slots", "buckets", "deterministic")
+                if getattr(e, key) is not None
+            ]
+        return errors
+
+    def _model_engine_errors(self, i: int) -> list[str]:
+        m, e, mode, key = self.models[i], self.engine, self.engine_mode_of(i), f"models[{i}]"
         if mode == "loop" and m.device == "cpu":
             return [
-                "engine.mode: 'loop' needs a CUDA device (models[0].device is 'cpu'): the graph-resident "
+                f"engine.mode: 'loop' needs a CUDA device ({key}.device is 'cpu'): the graph-resident "
                 "loop cannot run on the CPU; use 'reference', or 'host' with TRITON_INTERPRET=1"
             ]
         if mode == "reference" and m.device != "cpu":
             return [
                 f"engine.mode: 'reference' (the CPU reference engine) runs on device 'cpu' only, "
-                f"not {m.device!r}; use 'loop' or 'host'"
+                f"not {m.device!r} ({key}.device); use 'loop' or 'host'"
             ]
         errors = []
         if m.cpu_weights == "quantized" and mode != "reference":
             errors.append(
-                f"models[0].cpu_weights: 'quantized' runs on the CPU reference engine only "
+                f"{key}.cpu_weights: 'quantized' runs on the CPU reference engine only "
                 f"(engine.mode is {mode!r}); remove the key or use 'dequantized'"
             )
+        if m.sm_count is not None and (m.device == "cpu" or mode != "loop"):
+            where = f"{key}.device is 'cpu'" if m.device == "cpu" else f"engine.mode is {mode!r}"
+            errors.append(
+                f"{key}.sm_count: SM partitions are for models the GPU loop serves on a cuda:N device "
+                f"(engine.mode 'loop'), and {where}; remove the key"
+            )
         if mode == "reference":
-            for key in ("num_slots", "buckets", "deterministic"):
-                if getattr(e, key) is not None:
-                    errors.append(f"engine.{key}: only the GPU loop uses it (engine.mode 'loop' or 'host')")
             return errors
         if e.buckets is not None and e.buckets[-1] != m.max_num_batched_tokens:
             errors.append(
-                f"engine.buckets: must end at models[0].max_num_batched_tokens "
+                f"engine.buckets: must end at {key}.max_num_batched_tokens "
                 f"({m.max_num_batched_tokens}), got {e.buckets}"
             )
-        if self.num_slots < m.max_seqs:
+        if self.num_slots_of(i) < m.max_seqs:
             errors.append(
-                f"engine.num_slots: ({self.num_slots}) must be >= models[0].max_seqs ({m.max_seqs})"
+                f"engine.num_slots: ({self.num_slots_of(i)}) must be >= {key}.max_seqs ({m.max_seqs})"
             )
+        return errors
+
+    def model_set_errors(self) -> list[str]:
+        """Checks across models: unique names (the front end routes by name), and the KV fractions
+        of one CUDA device (each is of the memory left after all of that device's weights)."""
+        errors, first = [], {}
+        for i, m in enumerate(self.models):
+            if m.name in first:
+                errors.append(f"models[{i}].name: duplicate of models[{first[m.name]}].name ({m.name!r})")
+            first.setdefault(m.name, i)
+        by_device: dict[str, list[int]] = {}
+        for i, m in enumerate(self.models):
+            if m.device != "cpu" and m.kv_fraction is not None:
+                by_device.setdefault(m.device, []).append(i)
+        for device, indices in by_device.items():
+            total = sum(self.models[i].kv_fraction or 0.0 for i in indices)
+            if total > 1 + 1e-9:
+                keys = " + ".join(f"models[{i}].kv_fraction" for i in indices)
+                errors.append(
+                    f"{keys}: {total:g} on {device}; the fractions of one device share the memory "
+                    "left after all its models' weights, so they must sum to <= 1"
+                )
         return errors
 
     def with_overrides(self, *, host: str | None = None, port: int | None = None) -> Profile:
@@ -323,7 +370,7 @@ def parse_profile(data: dict[str, Any], *, origin: str = "profile") -> Profile:
     except ValidationError as e:
         lines = [f"  {_key_path(tuple(err['loc']))}: {_message(err)}" for err in e.errors()]
         raise ProfileError(f"{origin} is invalid:\n" + "\n".join(lines)) from None
-    errors = profile.engine_errors()
+    errors = profile.model_set_errors() + profile.engine_errors()
     if errors:
         raise ProfileError(f"{origin} is invalid:\n" + "\n".join(f"  {line}" for line in errors))
     return profile
@@ -342,9 +389,9 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     return parse_profile(data, origin=str(p))
 
 
-def ring_geometry(profile: Profile) -> RingGeometry:
-    """The ring capacities both processes derive from the same profile."""
-    m = profile.model
+def ring_geometry(profile: Profile, index: int = 0) -> RingGeometry:
+    """The ring capacities of models[index]'s region, which its engine and the front end derive alike."""
+    m = profile.models[index]
     inflight = profile.frontend.max_inflight
     return RingGeometry(
         request_slots=inflight,
@@ -354,3 +401,12 @@ def ring_geometry(profile: Profile) -> RingGeometry:
         max_output_tokens=m.output_limit,
         max_stop_ids=16,
     )
+
+
+def region_name(profile: Profile, index: int) -> str:
+    """The shared-memory name of models[index]'s ring region: models[0] keeps appliance.shm_name
+    (so a one-model appliance is where it always was), models[i] adds "-i"."""
+    if not 0 <= index < len(profile.models):
+        raise IndexError(f"models[{index}]: the profile has {len(profile.models)} models")
+    name = profile.appliance.shm_name
+    return name if index == 0 else f"{name}-{index}"

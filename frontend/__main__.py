@@ -1,6 +1,7 @@
 """The front-end process: `python -m blink_appliance.frontend PROFILE [--host H] [--port P] [--ready-file F]`.
 
-Attaches to the rings the daemon created, serves HTTP, and on SIGTERM drains: new requests get
+Attaches to every model's ring region the daemon created (one engine per model), serves HTTP
+(each request goes to the model it names: model_router.py), and on SIGTERM drains: new requests get
 503, in-flight ones get `appliance.drain_timeout_s` to finish, the rest are cancelled, exit 0.
 SIGINT is ignored (the daemon decides); see engine/process.py for why.
 """
@@ -15,24 +16,35 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from blink_appliance.processes import pin_cpus, watch_parent
-from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
+from blink_appliance.profile import (
+    ModelSection,
+    Profile,
+    ProfileError,
+    load_profile,
+    region_name,
+    ring_geometry,
+)
 
 if TYPE_CHECKING:
+    from blink_appliance.frontend.engine_links import EngineLink
+    from blink_appliance.frontend.model_router import ModelRouter
     from blink_appliance.frontend.token_id_vocabulary import TokenIdVocabulary
 
     from blink_appliance.model.tokenizer import Tokenizer
+    from blink_appliance.telemetry.source import TelemetrySource
+    from blink_appliance.wire.ring_layout import RingGeometry
 
 log = logging.getLogger("blink_appliance.frontend")
 
 
-def serving_tokenizer(source: str) -> Tokenizer | TokenIdVocabulary:
-    """The tokenizer the front end serves `source` with: the model's own, or for a `dummy:` preset
-    (which has none) token-id prompts in and ids as text out (token_id_vocabulary.py)."""
+def serving_tokenizer(source: str, index: int = 0) -> Tokenizer | TokenIdVocabulary:
+    """The tokenizer the front end serves `source` (models[index]) with: the model's own, or for a
+    `dummy:` preset (which has none) token-id prompts in and ids as text out (token_id_vocabulary.py)."""
     from blink_appliance.frontend.token_id_vocabulary import token_id_vocabulary_for
 
     from blink_appliance.model.sources import load_tokenizer
@@ -43,11 +55,17 @@ def serving_tokenizer(source: str) -> Tokenizer | TokenIdVocabulary:
     vocabulary = token_id_vocabulary_for(source)
     if vocabulary is None:
         raise ProfileError(
-            f"models[0].source: {source!r} has no tokenizer, and the HTTP front end needs one "
+            f"models[{index}].source: {source!r} has no tokenizer, and the HTTP front end needs one "
             "(only dummy: models are served without one, with token-id prompts)"
         )
     log.info("%s has no tokenizer: token-id prompts only, output text is the ids", source)
     return vocabulary
+
+
+def _gpu_index(models: list[ModelSection]) -> int:
+    """The GPU NVML samples: the first model's that runs on one (telemetry reads one GPU)."""
+    device = next((m.device for m in models if m.device != "cpu"), "cuda:0")
+    return int(device.partition(":")[2] or 0)
 
 
 async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | None) -> None:
@@ -60,82 +78,44 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
         watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(stop.set))
     from blink_appliance.frontend.app import create_app, runner_for
     from blink_appliance.frontend.auth import configured_keys
-    from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
-    from blink_appliance.frontend.metrics import ServingMetrics
+    from blink_appliance.frontend.engine_links import RegionPlan, attach_engines, detach_engines
 
-    from blink_appliance.model.detokenizer import IncrementalDetokenizer
-    from blink_appliance.telemetry.gpu import GpuSampler
-    from blink_appliance.telemetry.host import HostSampler
-    from blink_appliance.telemetry.source import TelemetrySource
-    from blink_appliance.wire.client import EngineClient
-    from blink_appliance.wire.shm_transport import ShmTransport
-
-    m, fe = profile.model, profile.frontend
+    models, fe = profile.models, profile.frontend
     pin_cpus(fe.cpus, "frontend.cpus", ProfileError)
-    tokenizer = await asyncio.to_thread(serving_tokenizer, m.model_source)
-    geometry = ring_geometry(profile)
-    transport = ShmTransport.open(profile.appliance.shm_name)
-    client = EngineClient.attach(transport, geometry, request_timeout_s=fe.request_timeout_s)
-    await client.start()
-
-    def appliance_processes() -> dict[str, int | None]:
-        # The engine's pid from the ring header, read each sample: it changes when the daemon
-        # restarts the engine. The daemon is this process's parent (--parent-pid).
-        return {"daemon": parent_pid, "frontend": os.getpid(), "engine": client.region.load("engine_pid")}
-
-    telemetry = (
-        TelemetrySource(
-            lambda: {m.name: client.telemetry()},
-            models=[m.name],
-            interval_s=profile.telemetry.interval_s,
-            host=HostSampler(appliance_processes),
-            gpu=GpuSampler(int(m.device.partition(":")[2] or 0) if m.device != "cpu" else 0),
-            device=m.device,
+    # Each model's tokenizer in its own thread: loading them one after another adds up.
+    tokenizers = await asyncio.gather(
+        *(asyncio.to_thread(serving_tokenizer, m.model_source, i) for i, m in enumerate(models))
+    )
+    geometries = [ring_geometry(profile, i) for i in range(len(models))]
+    plans = [RegionPlan(m.name, region_name(profile, i), geometries[i]) for i, m in enumerate(models)]
+    links = await attach_engines(plans, request_timeout_s=fe.request_timeout_s)
+    try:
+        router, telemetry = _services(profile, links, tokenizers, geometries, parent_pid)
+        app = create_app(
+            router,
+            api_keys=configured_keys(fe.api_keys),
+            max_request_bytes=fe.max_request_bytes,
+            body_timeout_s=fe.body_timeout_s,
+            telemetry=telemetry,
         )
-        if profile.telemetry.enabled
-        else None
-    )
-    metrics = ServingMetrics(
-        m.name,
-        engine_telemetry=client.telemetry,
-        engine_alive=lambda: client.engine_alive,
-        tracker=telemetry.latency(m.name) if telemetry is not None else None,
-    )
-    limits = ServiceLimits(
-        model_name=m.name,
-        max_model_len=m.max_model_len,
-        max_prompt_tokens=geometry.max_prompt_tokens,
-        max_output_tokens=geometry.max_output_tokens,
-        max_stop_ids=geometry.max_stop_ids,
-    )
-
-    def detokenizer(tok: object, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=True)
-
-    service = CompletionService(client, tokenizer, detokenizer, limits, metrics)
-    app = create_app(
-        service,
-        api_keys=configured_keys(fe.api_keys),
-        max_request_bytes=fe.max_request_bytes,
-        body_timeout_s=fe.body_timeout_s,
-        telemetry=telemetry,
-    )
-    # handler_cancellation: a client that disconnects cancels its handler, hence its request.
-    runner = runner_for(app, header_timeout_s=fe.header_timeout_s)
-    await runner.setup()
+        # handler_cancellation: a client that disconnects cancels its handler, hence its request.
+        runner = runner_for(app, header_timeout_s=fe.header_timeout_s)
+        await runner.setup()
+    except BaseException:
+        await detach_engines(links)
+        raise
     site = web.TCPSite(runner, fe.host, fe.port, backlog=1024)
     try:
         await site.start()
     except OSError as e:  # up checked the port before the engine loaded; another program took it since
-        await client.close()
+        await detach_engines(links)
         await runner.cleanup()
-        transport.close()
         raise ProfileError(f"frontend.port: cannot listen on {fe.host}:{fe.port} ({e.strerror})") from None
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     port = sockets[0].getsockname()[1] if sockets else fe.port
     host = f"[{fe.host}]" if ":" in fe.host else fe.host
     url = f"http://{host}:{port}"
-    log.info("front end serving %s on %s", m.name, url)
+    log.info("front end serving %s on %s", ", ".join(router.names), url)
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(url)
@@ -144,15 +124,85 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     await stop.wait()
 
     # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left.
-    service.draining = True
-    log.info("draining %d in-flight request(s)", service.inflight)
+    router.draining = True
+    log.info("draining %d in-flight request(s)", router.inflight)
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(service.wait_idle(), profile.appliance.drain_timeout_s)
-    if service.inflight:
-        log.warning("drain timeout: cancelling %d request(s)", service.inflight)
-    await client.close()  # cancels and ends what is still open
+        await asyncio.wait_for(router.wait_idle(), profile.appliance.drain_timeout_s)
+    if router.inflight:
+        log.warning("drain timeout: cancelling %d request(s)", router.inflight)
+    await detach_engines(links)  # cancels and ends what is still open, then closes the regions
     await runner.cleanup()
-    transport.close()
+
+
+def _services(
+    profile: Profile,
+    links: list[EngineLink],
+    tokenizers: list[Any],
+    geometries: list[RingGeometry],
+    parent_pid: int | None,
+) -> tuple[ModelRouter, TelemetrySource | None]:
+    """One CompletionService per model (its engine link, tokenizer, limits, metrics), the router
+    over them, and the telemetry source that watches every engine."""
+    from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
+    from blink_appliance.frontend.metrics import MetricsRegistry, ServingMetrics
+    from blink_appliance.frontend.model_router import ModelRouter
+
+    from blink_appliance.model.detokenizer import IncrementalDetokenizer
+    from blink_appliance.telemetry.gpu import GpuSampler
+    from blink_appliance.telemetry.host import HostSampler
+    from blink_appliance.telemetry.sm_share import sm_shares
+    from blink_appliance.telemetry.source import TelemetrySource
+
+    models = profile.models
+    one = len(models) == 1
+
+    def appliance_processes() -> dict[str, int | None]:
+        # Each engine's pid from its ring header, read each sample: it changes when the daemon
+        # restarts that engine. The daemon is this process's parent (--parent-pid).
+        engines = {
+            "engine" if one else f"engine:{link.model}": link.client.region.load("engine_pid")
+            for link in links
+        }
+        return {"daemon": parent_pid, "frontend": os.getpid(), **engines}
+
+    telemetry = (
+        TelemetrySource(
+            lambda: {link.model: link.client.telemetry() for link in links},
+            models=[m.name for m in models],
+            interval_s=profile.telemetry.interval_s,
+            host=HostSampler(appliance_processes),
+            gpu=GpuSampler(_gpu_index(models)),
+            device=models[0].device,
+            devices={m.name: m.device for m in models},
+            sm_shares=sm_shares((m.name, m.device, m.sm_count) for m in models),
+        )
+        if profile.telemetry.enabled
+        else None
+    )
+
+    def detokenizer(tok: object, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=True)
+
+    registry = MetricsRegistry()  # one /metrics for every model, told apart by model_name
+    services = []
+    for m, link, tokenizer, geometry in zip(models, links, tokenizers, geometries, strict=True):
+        client = link.client
+        metrics = ServingMetrics(
+            m.name,
+            engine_telemetry=client.telemetry,
+            engine_alive=lambda client=client: client.engine_alive,
+            tracker=telemetry.latency(m.name) if telemetry is not None else None,
+            registry=registry,
+        )
+        limits = ServiceLimits(
+            model_name=m.name,
+            max_model_len=m.max_model_len,
+            max_prompt_tokens=geometry.max_prompt_tokens,
+            max_output_tokens=geometry.max_output_tokens,
+            max_stop_ids=geometry.max_stop_ids,
+        )
+        services.append(CompletionService(client, tokenizer, detokenizer, limits, metrics))
+    return ModelRouter(services), telemetry
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from blink_appliance.frontend import handlers
 from blink_appliance.frontend.auth import bearer_auth_middleware
 from blink_appliance.frontend.completion_service import CompletionService
 from blink_appliance.frontend.errors import APIError
+from blink_appliance.frontend.model_router import ModelRouter
 from blink_appliance.frontend.openai_schema import now_s
 
 from blink_appliance.telemetry.source import TelemetrySource
@@ -54,7 +55,7 @@ async def version(request: web.Request) -> web.Response:
 
 
 def create_app(
-    service: CompletionService,
+    services: CompletionService | ModelRouter,
     *,
     api_keys: tuple[str, ...] = (),
     max_request_bytes: int = 1 << 20,
@@ -64,7 +65,8 @@ def create_app(
     app = web.Application(
         middlewares=[openai_errors, bearer_auth_middleware(api_keys)], client_max_size=max_request_bytes
     )
-    app[handlers.SERVICE] = service
+    # One service is one model; a ModelRouter routes each request to the model it names.
+    app[handlers.MODELS] = services if isinstance(services, ModelRouter) else ModelRouter([services])
     app[handlers.STARTED_AT] = now_s()
     app[handlers.BODY_TIMEOUT_S] = body_timeout_s
     app.router.add_post("/v1/completions", handlers.completions)

@@ -14,6 +14,7 @@ from aiohttp import web
 from blink_appliance.frontend.completion_service import CompletionService, EngineFailure, Piece, Prepared
 from blink_appliance.frontend.errors import APIError, bad_request
 from blink_appliance.frontend.metrics import CONTENT_TYPE
+from blink_appliance.frontend.model_router import ModelRouter
 from blink_appliance.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +30,7 @@ from blink_appliance.frontend.openai_schema import (
 
 log = logging.getLogger(__name__)
 
-SERVICE = web.AppKey("completion_service", CompletionService)
+MODELS = web.AppKey("models", ModelRouter)
 STARTED_AT = web.AppKey("started_at", int)
 BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
 
@@ -83,8 +84,8 @@ def _failure(e: EngineFailure) -> APIError:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    service = request.app[SERVICE]
     req = parse_request(CompletionRequest, await _json_body(request))
+    service = request.app[MODELS].service_for(req.model)
     prep = await service.prepare_completion(req)
     model = service.limits.model_name
     created = now_s()
@@ -103,8 +104,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    service = request.app[SERVICE]
     req = parse_request(ChatCompletionRequest, await _json_body(request))
+    service = request.app[MODELS].service_for(req.model)
     prep = await service.prepare_chat(req)
     model = service.limits.model_name
     created = now_s()
@@ -192,29 +193,32 @@ async def _stream_response(
 
 
 async def list_models(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    return web.json_response(models_body(service.limits.model_name, request.app[STARTED_AT]))
+    return web.json_response(models_body(request.app[MODELS].names, request.app[STARTED_AT]))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    service.check_model(request.match_info["model"])
-    return web.json_response(models_body(service.limits.model_name, request.app[STARTED_AT])["data"][0])
+    name = request.app[MODELS].service_for(request.match_info["model"]).limits.model_name
+    return web.json_response(models_body([name], request.app[STARTED_AT])["data"][0])
 
 
 async def health(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    if service.draining:
+    """200 only while every model's engine is alive; `models` says which one is not. With one
+    model the body also keeps its `model` key, as before there were several."""
+    router = request.app[MODELS]
+    models = router.health()
+    if router.draining:
         status, code = "draining", 503
-    elif not service.client.engine_alive:
+    elif any(m.status != "ok" for m in models):
         status, code = "engine_unavailable", 503
     else:
         status, code = "ok", 200
-    return web.json_response(
-        {"status": status, "model": service.limits.model_name, "inflight": service.inflight}, status=code
-    )
+    body: dict[str, Any] = {"status": status}
+    if len(models) == 1:
+        body["model"] = models[0].name
+    body["inflight"] = router.inflight
+    body["models"] = [{"name": m.name, "status": m.status, "inflight": m.inflight} for m in models]
+    return web.json_response(body, status=code)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    return web.Response(body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=request.app[MODELS].metrics.render(), headers={"Content-Type": CONTENT_TYPE})

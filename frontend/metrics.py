@@ -1,9 +1,10 @@
 """Prometheus metrics of the front end (/metrics), in prometheus-client's text format.
 
 Latencies are what the client sees (stamped when the front end reads a token from the ring).
-Engine gauges (running, waiting, KV usage) are read from the engine's telemetry words at scrape
-time, so a scrape costs nothing while nobody scrapes. Each app gets its own registry so several
-front ends in one process (tests) do not collide.
+Engine gauges (running, waiting, KV usage) are read from each engine's telemetry words at scrape
+time, so a scrape costs nothing while nobody scrapes. One `MetricsRegistry` holds every served
+model's series, told apart by the `model_name` label (vLLM's name for it); each app gets its own
+registry so several front ends in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -30,59 +32,119 @@ disable_created_metrics()
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+_LABELS = ["model_name"]
+_GAUGES = (
+    ("blink_num_requests_running", "Requests the engine is running", "running"),
+    ("blink_num_requests_waiting", "Requests admitted and waiting in the engine", "waiting"),
+    ("blink_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", "kv_usage"),
+)
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """How to read one model's engine at scrape time."""
+
+    model: str
+    read: Callable[[], Mapping[str, Any]]
+    alive: Callable[[], bool]
 
 
 class _EngineGauges(Collector):
-    def __init__(self, model: str, read: Callable[[], Mapping[str, Any]], alive: Callable[[], bool]) -> None:
-        self._model = model
-        self._read = read
-        self._alive = alive
+    """Every model's engine gauges; each family is yielded once with one sample per model (a
+    family repeated in one scrape is invalid exposition text)."""
+
+    def __init__(self) -> None:
+        self.engines: list[_Engine] = []
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         alive = GaugeMetricFamily(
-            "blink_engine_alive", "1 while the engine answers on the ring", labels=["model_name"]
+            "blink_engine_alive", "1 while the engine answers on the ring", labels=_LABELS
         )
-        alive.add_metric([self._model], 1.0 if self._alive() else 0.0)
+        gauges = {attr: GaugeMetricFamily(name, doc, labels=_LABELS) for name, doc, attr in _GAUGES}
+        waits = CounterMetricFamily(
+            "blink_ring_payload_waits",
+            "Times the front end saw a published token count before the tokens it covers",
+            labels=_LABELS,
+        )
+        steps = HistogramMetricFamily(
+            "blink_engine_step_seconds",
+            "Engine step time: schedule to commit on the GPU loop, one engine step on the CPU",
+            labels=_LABELS,
+        )
+        bounds = [floatToGoString(b / 1e6) for b in STEP_TIME_BOUNDS_US] + ["+Inf"]
+        for engine in self.engines:
+            alive.add_metric([engine.model], 1.0 if engine.alive() else 0.0)
+            try:
+                raw = engine.read()
+                counters = engine_counters_from(raw)
+            except Exception as e:  # engine restarting: report liveness only, never invented numbers
+                log.debug("engine telemetry of %s unavailable: %s", engine.model, e)
+                continue
+            for attr, family in gauges.items():
+                value = getattr(counters, attr)
+                if value is not None:
+                    family.add_metric([engine.model], float(value))
+            if (n := raw.get("payload_waits")) is not None:  # any is an engine write-ordering bug
+                waits.add_metric([engine.model], float(n))
+            counts = [raw.get(name) for name in STEP_TIME_FIELDS]
+            if all(c is not None for c in counts):  # the engine's own step-time histogram
+                cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+                steps.add_metric([engine.model], list(zip(bounds, cumulative, strict=True)), None)
         yield alive
-        try:
-            raw = self._read()
-            counters = engine_counters_from(raw)
-        except Exception as e:  # engine restarting: report liveness only, never invented numbers
-            log.debug("engine telemetry unavailable: %s", e)
-            return
-        for name, doc, value in (
-            ("blink_num_requests_running", "Requests the engine is running", counters.running),
-            ("blink_num_requests_waiting", "Requests admitted and waiting in the engine", counters.waiting),
-            ("blink_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", counters.kv_usage),
-        ):
-            if value is not None:
-                g = GaugeMetricFamily(name, doc, labels=["model_name"])
-                g.add_metric([self._model], float(value))
-                yield g
-        waits = raw.get("payload_waits")
-        if waits is not None:  # the ring client's count; any is an engine write-ordering bug
-            c = CounterMetricFamily(
-                "blink_ring_payload_waits",
-                "Times the front end saw a published token count before the tokens it covers",
-                labels=["model_name"],
-            )
-            c.add_metric([self._model], float(waits))
-            yield c
-        counts = [raw.get(name) for name in STEP_TIME_FIELDS]
-        if all(c is not None for c in counts):  # the engine's own step-time histogram (ring telemetry)
-            h = HistogramMetricFamily(
-                "blink_engine_step_seconds",
-                "Engine step time: schedule to commit on the GPU loop, one engine step on the CPU",
-                labels=["model_name"],
-            )
-            bounds = [floatToGoString(b / 1e6) for b in STEP_TIME_BOUNDS_US] + ["+Inf"]
-            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
-            h.add_metric([self._model], list(zip(bounds, cumulative, strict=True)), None)
-            yield h
+        # A family with no sample is left out, as before: no engine reported that counter.
+        yield from (f for f in (*gauges.values(), waits, steps) if f.samples)
+
+
+class MetricsRegistry:
+    """The one Prometheus registry of a front end and its metric families, shared by every model."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "blink_time_to_first_token_seconds", "Time to first token", _LABELS,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "blink_time_per_output_token_seconds", "Time per output token after the first", _LABELS,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "blink_e2e_request_latency_seconds", "Request latency, arrival to last token", _LABELS,
+            buckets=_E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt = Counter("blink_prompt_tokens", "Prompt tokens processed", _LABELS, registry=r)
+        self.generation = Counter("blink_generation_tokens", "Tokens generated", _LABELS, registry=r)
+        self.finished = Counter(
+            "blink_request_success", "Requests finished, by finish reason",
+            [*_LABELS, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "blink_request_errors",
+            "Requests that ended in an error, by cause",
+            [*_LABELS, "cause"],
+            registry=r,
+        )
+        self._engines = _EngineGauges()
+        r.register(self._engines)
+
+    @property
+    def models(self) -> list[str]:
+        return [e.model for e in self._engines.engines]
+
+    def add_engine(
+        self, model: str, read: Callable[[], Mapping[str, Any]], alive: Callable[[], bool]
+    ) -> None:
+        if model in self.models:  # two services under one name would merge their series
+            raise ValueError(f"model {model!r} already has metrics in this registry")
+        self._engines.engines.append(_Engine(model, read, alive))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class ServingMetrics:
-    """Per-request observations -> Prometheus series (and the TUI's latency tracker, when given)."""
+    """One model's per-request observations -> its Prometheus series (and the TUI's latency
+    tracker, when given). Pass the front end's `registry` to share it with the other models."""
 
     def __init__(
         self,
@@ -91,61 +153,36 @@ class ServingMetrics:
         engine_telemetry: Callable[[], Mapping[str, Any]],
         engine_alive: Callable[[], bool],
         tracker: TokenLatencyTracker | None = None,
+        registry: MetricsRegistry | None = None,
     ) -> None:
         self.model = model
-        self.registry = CollectorRegistry()
+        self.families = families = registry if registry is not None else MetricsRegistry()
+        families.add_engine(model, engine_telemetry, engine_alive)
         self._tracker = tracker
-        labels = ["model_name"]
-        r = self.registry
-        self._ttft = Histogram(
-            "blink_time_to_first_token_seconds",
-            "Time to first token",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._tpot = Histogram(
-            "blink_time_per_output_token_seconds",
-            "Time per output token after the first",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._e2e = Histogram(
-            "blink_e2e_request_latency_seconds",
-            "Request latency, arrival to last token",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        )
-        self._prompt = Counter("blink_prompt_tokens", "Prompt tokens processed", labels, registry=r)
-        self._generation = Counter("blink_generation_tokens", "Tokens generated", labels, registry=r)
-        self._finished = Counter(
-            "blink_request_success",
-            "Requests finished, by finish reason",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
-        self._errors = Counter(
-            "blink_request_errors",
-            "Requests that ended in an error, by cause",
-            [*labels, "cause"],
-            registry=r,
-        )
-        r.register(_EngineGauges(model, engine_telemetry, engine_alive))
         # Children looked up once: labels() per token cost 5% of a saturated front end (H100, batch 64).
-        self._ttft_child = self._ttft.labels(model)
-        self._generation_child = self._generation.labels(model)
+        self._ttft_child = families.ttft.labels(model)
+        self._tpot_child = families.tpot.labels(model)
+        self._e2e_child = families.e2e.labels(model)
+        self._prompt_child = families.prompt.labels(model)
+        self._generation_child = families.generation.labels(model)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.families.registry
 
     def request_timer(self, prompt_tokens: int) -> RequestTimer:
-        self._prompt.labels(self.model).inc(prompt_tokens)
+        self._prompt_child.inc(prompt_tokens)
         return RequestTimer(self)
 
     def error(self, cause: str) -> None:
-        self._errors.labels(self.model, cause).inc()
+        self.families.errors.labels(self.model, cause).inc()
+
+    def finished(self, reason: str) -> None:
+        self.families.finished.labels(self.model, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Every model's series in the shared registry, not only this model's."""
+        return self.families.render()
 
 
 class RequestTimer:
@@ -176,9 +213,9 @@ class RequestTimer:
     def finish(self, reason: str) -> None:
         m = self._m
         now = time.monotonic_ns()
-        m._e2e.labels(m.model).observe((now - self.start_ns) / 1e9)
-        m._finished.labels(m.model, reason).inc()
+        m._e2e_child.observe((now - self.start_ns) / 1e9)
+        m.finished(reason)
         if self.first_ns is not None and self.last_ns is not None and self.tokens > 1:
-            m._tpot.labels(m.model).observe((self.last_ns - self.first_ns) / 1e9 / (self.tokens - 1))
+            m._tpot_child.observe((self.last_ns - self.first_ns) / 1e9 / (self.tokens - 1))
         if m._tracker is not None and self.first_ns is not None and self.last_ns is not None:
             m._tracker.record_request_done(self.first_ns, self.last_ns, self.tokens)

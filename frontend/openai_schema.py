@@ -8,6 +8,7 @@ with "not supported yet" when they ask for something other than the default beha
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from blink_appliance.frontend.errors import APIError, bad_request, not_supported
@@ -350,10 +351,10 @@ def completion_chunk(
     return _chunk(rid, "text_completion", model, created, choices, usage_)
 
 
-def models_body(model: str, created: int) -> dict[str, Any]:
+def models_body(models: Sequence[str], created: int) -> dict[str, Any]:
     return {
         "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "blink"}],
+        "data": [{"id": m, "object": "model", "created": created, "owned_by": "blink"} for m in models],
     }
 
 

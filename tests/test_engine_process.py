@@ -32,3 +32,21 @@ def test_pinning_sizes_torch_threads_to_the_pinned_cpus():
 def test_a_cpu_list_the_host_cannot_take_names_the_key():
     with pytest.raises(ProfileError, match=r"appliance.engine_cpus: cannot pin to CPUs \[100000\]"):
         pin_cpus([100000], "appliance.engine_cpus", ProfileError)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "the profile has 2 models, an engine process each; pass --model"),
+        (["--model", "2"], "--model 2: the profile has 2 models"),
+    ],
+)
+def test_an_engine_process_serves_one_named_model_of_several(tmp_path, args, message):
+    profile = tmp_path / "two.toml"
+    model = 'source = "dummy:tiny"\nkv_budget_gib = 0.01\n'
+    profile.write_text(f'[[models]]\nname = "a"\n{model}\n[[models]]\nname = "b"\n{model}')
+    done = subprocess.run(
+        [sys.executable, "-m", "blink_appliance.engine.process", str(profile), *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr

@@ -7,13 +7,14 @@ import json
 
 import pytest
 from blink_appliance.frontend.app import create_app
+from blink_appliance.frontend.model_router import ModelRouter
 
 ROUTES = ["/v1/completions", "/v1/chat/completions"]
 
 
 async def _post(aiohttp_client, route: str, data: bytes) -> tuple[int, dict]:
-    # The body is refused before the service is asked: a placeholder stands in for the engine's.
-    client = await aiohttp_client(create_app(object(), api_keys=()))  # type: ignore[arg-type]
+    # The body is refused before the service is asked: a router with no model stands in for the engines.
+    client = await aiohttp_client(create_app(ModelRouter([]), api_keys=()))
     r = await client.post(route, data=data, headers={"Content-Type": "application/json"})
     return r.status, await r.json()
 

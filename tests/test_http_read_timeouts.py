@@ -11,14 +11,15 @@ import time
 
 from aiohttp import web
 from blink_appliance.frontend.app import create_app, runner_for
+from blink_appliance.frontend.model_router import ModelRouter
 
 from blink_appliance.profile import parse_profile
 
 
 @contextlib.asynccontextmanager
 async def serving(*, header_timeout_s: float, body_timeout_s: float):
-    # The body is refused before the service is asked: a placeholder stands in for the engine's.
-    app = create_app(object(), api_keys=(), body_timeout_s=body_timeout_s)  # type: ignore[arg-type]
+    # The body is refused before the service is asked: a router with no model stands in for the engines.
+    app = create_app(ModelRouter([]), api_keys=(), body_timeout_s=body_timeout_s)
     runner = runner_for(app, header_timeout_s=header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

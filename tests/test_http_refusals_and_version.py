@@ -8,6 +8,7 @@ from importlib.metadata import version
 import pytest
 from blink_appliance.frontend.app import create_app
 from blink_appliance.frontend.errors import APIError
+from blink_appliance.frontend.model_router import ModelRouter
 from blink_appliance.frontend.openai_schema import ChatCompletionRequest, parse_request
 
 
@@ -59,8 +60,8 @@ def test_text_parts_still_serve():
 
 
 async def test_version_route_needs_no_key(aiohttp_client):
-    # /version touches no service: a placeholder stands in for the engine's.
-    client = await aiohttp_client(create_app(object(), api_keys=("secret-key-123",)))  # type: ignore[arg-type]
+    # /version touches no service: a router with no model stands in for the engines.
+    client = await aiohttp_client(create_app(ModelRouter([]), api_keys=("secret-key-123",)))
     r = await client.get("/version")
     assert r.status == 200
     assert await r.json() == {"version": version("blink-appliance")}

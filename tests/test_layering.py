@@ -35,6 +35,7 @@ AREAS = {
     "blink_appliance.tui": "tui",
     "blink_appliance.bench": "bench",
     "blink_appliance.daemon": "daemon",
+    "blink_appliance.gpu_sharing": "gpu sharing",
     "blink_appliance.cli": "cli",
     "blink_appliance": "package",
 }
@@ -55,8 +56,9 @@ MAY_IMPORT = {
     "frontend": {"wire", "processes", "model", "telemetry", "profile"},
     "tui": {"telemetry"},
     "bench": {"telemetry", "model"},
-    "daemon": {"wire", "processes", "model", "profile", "telemetry"},
-    "cli": _ENGINE | {"reference engine", "loop engine", "engine", "daemon", "tui", "bench"},
+    "gpu sharing": {"profile"},
+    "daemon": {"wire", "processes", "model", "profile", "telemetry", "gpu sharing"},
+    "cli": _ENGINE | {"reference engine", "loop engine", "engine", "daemon", "tui", "bench", "gpu sharing"},
 }
 # Libraries the front end never loads: it runs on a DPU's Arm cores, where none of them is installed.
 GPU_LIBRARIES = {"torch", "triton", "cupy", "cuda"}

@@ -59,7 +59,8 @@ def test_gpu_example_profile_is_the_loop_on_cuda():
         ({"model": {"dtype": "int3"}}, "models[0].dtype"),
         ({"model": {"device": "tpu"}}, "models[0].device: 'tpu': expected 'cpu' or 'cuda:N'"),
         ({"model": {"device": "cuda"}}, "models[0].device: 'cuda': expected 'cpu' or 'cuda:N'"),
-        ({"model": {"sm_count": 66}}, "models[0].sm_count: not built yet"),
+        ({"model": {"sm_count": 66}}, "models[0].sm_count: SM partitions are for models the GPU loop"),
+        ({"model": {"device": "cuda:0", "sm_count": 0}}, "models[0].sm_count: Input should be greater"),
         ({"model": {"max_output_tokens": 256}}, "max_output_tokens (256) must be < max_model_len (256)"),
         ({"frontend": {"transport": "rdma"}}, "frontend.transport: 'rdma': not built yet"),
         ({"frontend": {"port": 70000}}, "frontend.port"),
@@ -72,10 +73,11 @@ def test_errors_name_the_key_path(sections, expected):
     assert expected in _error(_profile(**sections))
 
 
-def test_missing_models_and_more_than_one_model():
+def test_missing_models_and_duplicate_names():
     assert "models: required key is missing" in _error({})
-    two = {"models": [dict(MINIMAL_MODEL), dict(MINIMAL_MODEL, name="n")]}
-    assert "more than one model per appliance is not built yet" in _error(two)
+    assert "models: at least one [[models]] entry is required" in _error({"models": []})
+    two = {"models": [dict(MINIMAL_MODEL), dict(MINIMAL_MODEL, name="n"), dict(MINIMAL_MODEL, name="n")]}
+    assert "models[2].name: duplicate of models[1].name" in _error(two)
     assert "models[0].name: required key is missing" in _error({"models": [{"kv_budget_gib": 1}]})
 
 

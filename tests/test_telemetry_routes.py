@@ -10,7 +10,14 @@ import pytest
 from aiohttp import web
 from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
 
-from blink_appliance.telemetry import GpuSampler, GpuStats, TelemetrySnapshot, TelemetrySource
+from blink_appliance.telemetry import (
+    GpuSampler,
+    GpuStats,
+    SmShare,
+    TelemetrySnapshot,
+    TelemetrySource,
+    sm_shares,
+)
 
 MS = 1_000_000
 
@@ -194,3 +201,74 @@ async def test_device_is_cpu_or_the_gpus_name(device: str, gpu: GpuStats, shown:
     source = TelemetrySource(counters, models=["tiny"], gpu=Gpu(), device=device)
     snap = await source.sample()
     assert snap.model("tiny").engine.device == shown
+
+
+def test_sm_shares_follow_the_profiles_sm_counts() -> None:
+    shares = sm_shares(
+        [("big", "cuda:0", 100), ("small", "cuda:0", None), ("alone", "cuda:1", None), ("cpu", "cpu", None)]
+    )
+    assert shares["big"] == SmShare(kind="partition", sm_count=100) and shares["big"].label == "100 SMs"
+    assert shares["small"] == SmShare(kind="rest") and shares["small"].label == "rest of the GPU"
+    assert shares["alone"] == SmShare(kind="whole") and shares["alone"].label == "whole GPU"
+    assert shares["cpu"] is None
+
+
+async def test_two_models_each_reach_the_snapshot_and_the_stream(aiohttp_client) -> None:
+    """Each model's engine counters, device, SM share and latencies, in /telemetry and its stream."""
+    values = {
+        "big": {"running": 6, "kv_blocks_used": 30, "kv_blocks_total": 60, "generated_tokens": 500},
+        "small": {"running": 1, "kv_blocks_used": 3, "kv_blocks_total": 40, "generated_tokens": 20},
+    }
+
+    class Gpu(GpuSampler):
+        def sample(self) -> GpuStats:
+            return GpuStats(available=True, name="NVIDIA H100 80GB HBM3")
+
+    source = TelemetrySource(
+        lambda: {name: dict(v) for name, v in values.items()},
+        models=["big", "small"],
+        gpu=Gpu(0),
+        interval_s=0.05,
+        devices={"big": "cuda:0", "small": "cuda:1"},
+        sm_shares=sm_shares([("big", "cuda:0", 100), ("small", "cuda:0", None)]),
+    )
+    now = time.monotonic_ns()
+    tracker = source.latency("small")
+    tracker.record_first_token(now - 50 * MS, now - 40 * MS)
+    tracker.record_token(now - 40 * MS, now - 20 * MS)
+    tracker.record_token(now - 20 * MS, now)
+    tracker.record_request_done(now - 40 * MS, now, 3)
+    app = web.Application()
+    add_telemetry_routes(app, source)
+    client = await aiohttp_client(app)
+
+    snap = TelemetrySnapshot.from_json(await (await client.get("/telemetry")).text())
+    big, small = snap.model("big"), snap.model("small")
+    assert [m.name for m in snap.models] == ["big", "small"]
+    assert big.engine.kv_usage == 0.5 and big.engine.running == 6 and small.engine.kv_usage == 0.075
+    assert big.engine.device == "NVIDIA H100 80GB HBM3"  # the GPU NVML reads ...
+    assert small.engine.device == "cuda:1"  # ... and not another one
+    assert big.sm_share == SmShare(kind="partition", sm_count=100)
+    assert small.sm_share == SmShare(kind="rest")
+    assert small.latency.tpot_p50_ms == pytest.approx(20.0) and small.latency.total_tokens == 3
+    assert big.latency.total_tokens == 0
+
+    async with client.get("/telemetry/stream") as r:
+        (streamed,) = await read_events(r, 1)
+    assert [(m.name, m.sm_share) for m in streamed.models] == [(m.name, m.sm_share) for m in snap.models]
+
+
+def test_a_snapshot_without_sm_share_still_parses() -> None:
+    """One model's snapshot as a front end before issue 21 sent it (no sm_share key)."""
+    snap = TelemetrySnapshot.from_json(
+        json.dumps(
+            {
+                "time_unix": 1.0,
+                "uptime_s": 2.0,
+                "models": [{"name": "tiny", "engine": {"running": 1}, "latency": {"window_s": 10.0}}],
+                "host": {"cpu_percent_per_core": [1.0], "cpu_percent_total": 1.0},
+                "gpu": {"available": False},
+            }
+        )
+    )
+    assert snap.model("tiny").sm_share is None and snap.model("tiny").engine.running == 1

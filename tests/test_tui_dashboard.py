@@ -12,13 +12,21 @@ from aiohttp import web
 from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
 from blink_appliance.tui.app import BlinkDashboard
 from blink_appliance.tui.client import Backoff
-from blink_appliance.tui.widgets import CoreHeatStrip, GpuPanel, HostPanel, ModelPanel, StatusBar, UsageBar
+from blink_appliance.tui.widgets import (
+    CoreHeatStrip,
+    GpuPanel,
+    HostPanel,
+    ModelPanel,
+    ModelsTable,
+    StatusBar,
+    UsageBar,
+)
 from rich.text import Text
 from textual.pilot import Pilot
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from blink_appliance.telemetry import TelemetrySource
+from blink_appliance.telemetry import TelemetrySource, sm_shares
 
 MS = 1_000_000
 
@@ -55,7 +63,7 @@ class Engines:
 def text_of(widget: Widget) -> str:
     rendered = (
         widget.render()
-        if isinstance(widget, StatusBar | GpuPanel | UsageBar | CoreHeatStrip)
+        if isinstance(widget, StatusBar | GpuPanel | UsageBar | CoreHeatStrip | ModelsTable)
         else widget.content
     )
     return rendered.plain if isinstance(rendered, Text) else str(rendered)
@@ -285,3 +293,40 @@ async def test_host_panel_shows_each_process_and_the_verdict(aiohttp_server, eng
         assert "  daemon " in text and "  frontend " in text and "others " in text
         assert "run-queue wait " in text
         assert f"interference ● {app.snapshot.host.interference}" in text
+
+
+async def test_a_row_per_model_with_its_sm_share_tpot_rate_and_kv(aiohttp_server, engines: Engines) -> None:
+    """Two models on one GPU (issue 21): a row each above the panels, the panel's model marked."""
+    source = TelemetrySource(
+        engines,
+        models=["tiny", "small"],
+        interval_s=0.1,
+        devices={"tiny": "cuda:0", "small": "cuda:0"},
+        sm_shares=sm_shares([("tiny", "cuda:0", 100), ("small", "cuda:0", None)]),
+    )
+    record_stream(source, "small", ttft_ms=50.0, gaps_ms=[12.0] * 20)
+    server = await aiohttp_server(make_app(source))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: app.snapshot is not None)
+        table = app.query_one(ModelsTable)
+        assert table.display
+        tiny, small = text_of(table).splitlines()
+        assert tiny.startswith("▸ tiny ") and small.startswith("  small ")
+        assert "SMs 100" in tiny and "SMs rest" in small
+        assert "TPOT p50 —" in tiny and "TPOT p50 12.0 ms" in small
+        assert "KV 12%" in tiny and "KV 50%" in small
+        assert "tokens/s 0.0" in tiny and "tokens/s 0.0" not in small
+        assert "SMs 100  GPU" in model_text(app)
+        await pilot.press("tab")
+        assert text_of(table).splitlines()[1].startswith("▸ small")
+        assert "SMs rest  GPU" in model_text(app)
+
+
+async def test_one_model_has_no_rows_above_its_panel(aiohttp_server, engines: Engines) -> None:
+    del engines.values["small"]
+    server = await aiohttp_server(make_app(TelemetrySource(engines, models=["tiny"], interval_s=0.1)))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.snapshot is not None)
+        assert not app.query_one(ModelsTable).display

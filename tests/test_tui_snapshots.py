@@ -4,6 +4,8 @@ The app connects to a real telemetry server (in a thread) whose source always se
 snapshot, so every time-dependent field is frozen. The latency numbers in it come from a real
 TokenLatencyTracker fed a deterministic token schedule on a fake clock.
 Update after an intended layout change: pytest tests/test_tui_snapshots.py --snapshot-update
+(Last deliberate update, issue 21: the GPU snapshots serve two models, so they gained the row per
+model above the panels, and the second model's SM share reads "rest (32)".)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from blink_appliance.telemetry import (
     HostStats,
     ModelTelemetry,
     ProcessStats,
+    SmShare,
     TelemetrySnapshot,
     TelemetrySource,
     TokenLatencyTracker,
@@ -81,9 +84,11 @@ def host_stats(
 
 
 def gpu_snapshot() -> TelemetrySnapshot:
-    def model(name: str, sms: int, running: int, seed: int) -> ModelTelemetry:
+    # Two models on one GPU: llama has a 100-SM partition, qwen runs on the rest (32 SMs).
+    def model(name: str, sms: int, running: int, seed: int, share: SmShare) -> ModelTelemetry:
         return ModelTelemetry(
             name=name,
+            sm_share=share,
             engine=EngineCounters(
                 running=running,
                 waiting=3,
@@ -101,7 +106,10 @@ def gpu_snapshot() -> TelemetrySnapshot:
     return TelemetrySnapshot(
         time_unix=1_800_000_000.0,
         uptime_s=3725.0,
-        models=[model("llama-3.2-1b", 100, 24, 0), model("qwen3-0.6b", 32, 5, 11)],
+        models=[
+            model("llama-3.2-1b", 100, 24, 0, SmShare(kind="partition", sm_count=100)),
+            model("qwen3-0.6b", 32, 5, 11, SmShare(kind="rest")),
+        ],
         host=host_stats(
             [float((i * 37) % 100) for i in range(16)],
             [("daemon", 100, 0.5, 2.0), ("frontend", 101, 12.0, 95.0), ("engine", 102, 172.5, 715.0)],

@@ -12,7 +12,7 @@ import os
 import aiohttp
 from blink_appliance.tui.client import Backoff, stream_snapshots
 from blink_appliance.tui.keys import KeysScreen
-from blink_appliance.tui.widgets import GpuPanel, HostPanel, ModelPanel, StatusBar
+from blink_appliance.tui.widgets import GpuPanel, HostPanel, ModelPanel, ModelsTable, StatusBar
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -70,6 +70,7 @@ class BlinkDashboard(App[None]):
     def compose(self) -> ComposeResult:
         yield Header()
         yield StatusBar(id="status")
+        yield ModelsTable(id="models")
         with Horizontal(id="body"):
             yield ModelPanel(id="model")
             with Vertical(id="side"):
@@ -145,6 +146,9 @@ class BlinkDashboard(App[None]):
         status.models = names
         status.selected = index
         status.uptime_s = snap.uptime_s if snap else None
+        table = self.query_one(ModelsTable)
+        table.models = tuple(snap.models) if snap else ()
+        table.selected = index
         panel = self.query_one(ModelPanel)
         panel.model = snap.models[index] if snap and snap.models else None
         panel.gpu = snap.gpu if snap else None

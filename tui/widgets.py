@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from blink_appliance.telemetry.snapshot import GpuStats, HostStats, ModelTelemetry
+from blink_appliance.telemetry.snapshot import EngineCounters, GpuStats, HostStats, ModelTelemetry, SmShare
 
 LEVELS = "▁▂▃▄▅▆▇█"
 
@@ -80,6 +80,60 @@ class StatusBar(Static):
         if self.uptime_s is not None:
             parts += [_label("  up "), fmt.duration(self.uptime_s)]
         return _line(*parts)
+
+
+def sm_text(share: SmShare | None, engine: EngineCounters | None) -> str:
+    """A model's SMs: the engine's own count when it reports one, else the profile's share
+    ("rest": what the partitions leave; "all": the whole GPU); n/a on a CPU engine."""
+    sms = engine.sm_partition if engine else None
+    if share is None or share.kind == "partition":
+        return fmt.number(sms if sms is not None else share.sm_count if share else None)
+    word = "rest" if share.kind == "rest" else "all"
+    return word if sms is None else f"{word} ({sms})"
+
+
+class ModelsTable(Static):
+    """With several models, one row each: SM share, TPOT, tokens/s and KV use side by side; the
+    model the panel below shows is marked. Hidden with one model (its panel says it all)."""
+
+    models: reactive[tuple[ModelTelemetry, ...]] = reactive(())
+    selected: reactive[int] = reactive(0)
+
+    def watch_models(self, models: tuple[ModelTelemetry, ...]) -> None:
+        self.display = len(models) > 1
+
+    def render(self) -> Text:
+        columns = [
+            [m.name for m in self.models],
+            [sm_text(m.sm_share, m.engine) for m in self.models],
+            [fmt.ms(m.latency.tpot_p50_ms) for m in self.models],
+            [fmt.rate(m.latency.tokens_per_s) for m in self.models],
+            [fmt.number(kv_percent(m.engine), "{:.0f}%") for m in self.models],
+        ]
+        # Each column as wide as its widest value, so the models' numbers line up.
+        name, sms, tpot, rate, kv = ([v.ljust(max(map(len, c))) for v in c] for c in columns)
+        rows = []
+        for i in range(len(self.models)):
+            mark = ("▸ ", "bold") if i == self.selected else ("  ", "")
+            rows.append(
+                _line(
+                    mark,
+                    (name[i], mark[1]),
+                    _label("  SMs "),
+                    sms[i],
+                    _label("  TPOT p50 "),
+                    tpot[i],
+                    _label("  tokens/s "),
+                    rate[i],
+                    _label("  KV "),
+                    kv[i],
+                )  # fmt: skip
+            )
+        return _lines(rows)
+
+
+def kv_percent(engine: EngineCounters | None) -> float | None:
+    return engine.kv_usage * 100 if engine is not None and engine.kv_usage is not None else None
 
 
 class UsageBar(Widget):
@@ -197,8 +251,7 @@ class ModelPanel(Vertical):
         kv.used = engine.kv_blocks_used if engine else None
         kv.total = engine.kv_blocks_total if engine else None
         gpu = self.gpu
-        sms = engine.sm_partition if engine else None
-        share: list[tuple[str, str] | str] = [_label("SMs "), fmt.number(sms), _label("  GPU ")]
+        share: list[tuple[str, str] | str] = [_label("SMs "), sm_text(m.sm_share, engine), _label("  GPU ")]
         if gpu is None or not gpu.available:
             share.append(fmt.NA)
         else:

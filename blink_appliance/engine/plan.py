@@ -8,13 +8,14 @@ limits. Both engines size themselves from it (the GPU loop through engine/loop/g
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psutil
 
 from blink_appliance.model.config import ModelConfig
 from blink_appliance.model.presets import weight_shapes
-from blink_appliance.profile import ModelSection, ProfileError
+from blink_appliance.profile import ModelSection, Profile, ProfileError
 
 GIB = 1 << 30
 
@@ -75,21 +76,28 @@ def weights_bytes(config: ModelConfig, dtype: str) -> int:
 
 
 def resolve_plan(
-    model: ModelSection, config: ModelConfig, *, available_bytes: int | None = None
+    model: ModelSection,
+    config: ModelConfig,
+    *,
+    available_bytes: int | None = None,
+    index: int = 0,
+    colocated_bytes: int = 0,
 ) -> ModelPlan:
-    """Size the KV cache and check the limits against the architecture.
+    """Size the KV cache and check the limits against the architecture; errors name models[index].
 
     `kv_fraction` is a fraction of the memory left after the weights: host RAM available now
     (psutil) for device "cpu", the GPU's free memory now for "cuda:N" (so the plan of a CUDA profile
     with kv_fraction needs that GPU; kv_budget_gib does not); `available_bytes` overrides that
-    reading (tests).
+    reading (tests, and an engine that read it once before loading any of its models).
+    `colocated_bytes`: what the other models on the same device take of that memory (their
+    weights and fixed KV budgets); the fractions share what is left after it.
     """
     # torch on first use: `blink-appliance check` imports this module before it loads a model.
     import torch
 
     from blink_appliance.model.kv_cache import PagedKVCache
 
-    key = "models[0]"
+    key = f"models[{index}]"
     if model.max_model_len > config.max_position_embeddings:
         raise ProfileError(
             f"{key}.max_model_len: {model.max_model_len} exceeds the model's "
@@ -105,8 +113,8 @@ def resolve_plan(
     else:
         assert model.kv_fraction is not None
         budget_key = f"{key}.kv_fraction"
-        avail = _free_bytes(model.device, budget_key) if available_bytes is None else available_bytes
-        budget = int(model.kv_fraction * max(0, avail - w_bytes))
+        avail = free_bytes(model.device, budget_key) if available_bytes is None else available_bytes
+        budget = int(model.kv_fraction * max(0, avail - w_bytes - colocated_bytes))
     # Never more blocks than max_seqs sequences of max_model_len can use.
     blocks_per_seq = -(-model.max_model_len // model.block_size)
     num_blocks = min(budget // per_block, model.max_seqs * blocks_per_seq)
@@ -135,7 +143,37 @@ def resolve_plan(
     )
 
 
-def _free_bytes(device: str, key: str) -> int:
+def resolve_plans(
+    profile: Profile, configs: Mapping[int, ModelConfig], *, available_bytes: int | None = None
+) -> dict[int, ModelPlan]:
+    """The plans of the models in `configs` (by index). The models of one CUDA device share its
+    memory: a fraction is of what is left after all their weights (and fixed kv_budget_gib), read
+    once for all of them, before any of their weights is loaded."""
+    taken = {
+        i: weights_bytes(c, profile.models[i].dtype) + int((profile.models[i].kv_budget_gib or 0) * GIB)
+        for i, c in configs.items()
+    }
+    free: dict[str, int] = {}
+    plans = {}
+    for i, config in configs.items():
+        m = profile.models[i]
+        others = [j for j in configs if j != i and m.device != "cpu" and profile.models[j].device == m.device]
+        available = available_bytes
+        if available is None and others and m.kv_fraction is not None:
+            if m.device not in free:
+                free[m.device] = free_bytes(m.device, f"models[{i}].kv_fraction")
+            available = free[m.device]
+        plans[i] = resolve_plan(
+            m,
+            config,
+            available_bytes=available,
+            index=i,
+            colocated_bytes=sum(taken[j] for j in others),
+        )
+    return plans
+
+
+def free_bytes(device: str, key: str) -> int:
     """Memory free for weights + KV on `device` now."""
     if device == "cpu":
         return psutil.virtual_memory().available

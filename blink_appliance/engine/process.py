@@ -2,10 +2,11 @@
 reference engine (LLMEngine under EngineServer) for engine.mode "reference", the GPU loop
 (LoopStep under LoopEngineServer) for "loop" and "host".
 
-Started by the daemon (`python -m blink_appliance.engine.process PROFILE`) after it created the
-shared region. It serves until SIGTERM (or the region's shutdown word), then aborts what is in
-flight and exits 0. It ignores SIGINT: a Ctrl-C in the terminal reaches the whole process group,
-and only the daemon decides how the appliance drains.
+Started by the daemon (`python -m blink_appliance.engine.process PROFILE --model I`), one process
+per model, after it created the model's ring region. Several GPU loops on one device run as several
+such processes under MPS (blink_appliance/mps.py). It serves until SIGTERM (or the region's shutdown
+word), then aborts what is in flight and exits 0. It ignores SIGINT: a Ctrl-C in the terminal
+reaches the whole process group, and only the daemon decides how the appliance drains.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import sys
 import threading
 import time
 
-from blink_appliance.engine.plan import resolve_plan
+from blink_appliance.engine.plan import ModelPlan, resolve_plan, resolve_plans
+from blink_appliance.model.config import ModelConfig
 from blink_appliance.processes import pin_cpus, set_on_signals, watch_parent
-from blink_appliance.profile import Profile, ProfileError, load_profile, ring_geometry
+from blink_appliance.profile import Profile, ProfileError, load_profile, region_name, ring_geometry
 
 log = logging.getLogger("blink_appliance.engine")
 # Set once the engine serves. Before that nothing was accepted (the front end submits only to a
@@ -38,7 +40,37 @@ def _done(t0: float) -> None:
     print(f"[engine]   done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
-def serve(profile: Profile, stop: threading.Event) -> None:
+def serve(
+    profile: Profile, index: int, stop: threading.Event, *, device_free_bytes: int | None = None
+) -> None:
+    """Serve models[index]: on the CPU reference engine, or on the GPU loop."""
+    if profile.uses_loop_of(index):
+        serve_loop(profile, index, stop, device_free_bytes=device_free_bytes)
+    else:
+        serve_reference(profile, index, stop)
+
+
+def model_plan(profile: Profile, index: int, config: ModelConfig, device_free_bytes: int | None) -> ModelPlan:
+    """models[index]'s plan. Beside other models on its CUDA device, its kv_fraction is of the memory
+    the daemon read free before any of them started, less all their weights: each engine process
+    starts on its own, so what is free when it starts depends on which started first."""
+    m = profile.models[index]
+    others = [j for j, o in enumerate(profile.models) if j != index and o.device == m.device != "cpu"]
+    if not others or m.kv_fraction is None:
+        return resolve_plan(m, config, index=index)
+    if device_free_bytes is None:
+        raise ProfileError(
+            f"models[{index}].kv_fraction: {m.device} serves {len(others) + 1} models; the engine needs "
+            "--device-free-bytes (the daemon passes it)"
+        )
+    from blink_appliance.model.metadata import read_checkpoint_info
+
+    configs = {j: read_checkpoint_info(profile.models[j].model_source).config for j in others}
+    return resolve_plans(profile, {index: config, **configs}, available_bytes=device_free_bytes)[index]
+
+
+def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None:
+    """models[index] on the CPU reference engine, on its own ring region."""
     import torch
 
     from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
@@ -46,14 +78,11 @@ def serve(profile: Profile, stop: threading.Event) -> None:
     from blink_appliance.model.loaders import build_model, load_checkpoint
     from blink_appliance.wire.shm_transport import ShmTransport
 
-    m = profile.model
-    if profile.uses_loop:
-        serve_loop(profile, stop)
-        return
+    m = profile.models[index]
     pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus", ProfileError)
     t0 = _stage(f"loading {m.model_source}")
     ckpt = load_checkpoint(m.model_source, seed=m.seed, quantized=m.cpu_weights == "quantized")
-    plan = resolve_plan(m, ckpt.config)
+    plan = resolve_plan(m, ckpt.config, index=index)
     model = build_model(ckpt, dtype=getattr(torch, m.dtype), device=m.device)
     del ckpt  # the fp32 copy of the weights; the model holds its own
     _done(t0)
@@ -69,19 +98,23 @@ def serve(profile: Profile, stop: threading.Event) -> None:
             eos_token_ids=tuple(model.config.eos_token_ids),
         ),
     )
-    transport = ShmTransport.open(profile.appliance.shm_name)
+    transport = ShmTransport.open(region_name(profile, index))
     try:
-        server = EngineServer(engine, transport, ring_geometry(profile), vocab_size=model.config.vocab_size)
-        print("[engine] serving on the rings", file=sys.stderr, flush=True)
+        ring = ring_geometry(profile, index)
+        server = EngineServer(engine, transport, ring, vocab_size=model.config.vocab_size)
+        print(f"[engine] serving {m.name!r} on the rings", file=sys.stderr, flush=True)
         SERVING.set()
         server.run(stop)
     finally:
         transport.close()
 
 
-def serve_loop(profile: Profile, stop: threading.Event) -> None:
-    """The GPU loop (engine.mode "loop" or "host"): build it, serve until stopped, release it."""
-    m = profile.model
+def serve_loop(
+    profile: Profile, index: int, stop: threading.Event, *, device_free_bytes: int | None = None
+) -> None:
+    """models[index] on the GPU loop (engine.mode "loop" or "host"): build it, serve until stopped,
+    release it."""
+    m, mode = profile.models[index], profile.engine_mode_of(index)
     if m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # On the CPU the loop's Triton kernels can only run in the interpreter; nothing imported
         # them yet in this fresh process, so the setting still takes effect.
@@ -94,19 +127,18 @@ def serve_loop(profile: Profile, stop: threading.Event) -> None:
     pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus", ProfileError)
     t0 = _stage(f"loading {m.model_source}")
     ckpt = load_checkpoint(m.model_source, seed=m.seed)
-    plan = resolve_plan(m, ckpt.config)
+    plan = model_plan(profile, index, ckpt.config, device_free_bytes)
     _done(t0)
     print(plan.describe(), file=sys.stderr, flush=True)
-    transport = ShmTransport.open(profile.appliance.shm_name)
+    transport = ShmTransport.open(region_name(profile, index))
     try:
         t0 = _stage(
-            f"building the loop (engine.mode {profile.engine_mode!r} on {m.device}: weights, KV cache, "
-            "kernels, graphs)"
+            f"building the loop (engine.mode {mode!r} on {m.device}: weights, KV cache, kernels, graphs)"
         )
-        server = build_loop_server(profile, ckpt, plan, transport)
+        server = build_loop_server(profile, ckpt, plan, transport, index=index)
         del ckpt  # the host copy of the weights; the device holds its own
         _done(t0)
-        print(f"[engine] serving on the rings ({profile.engine_mode} mode)", file=sys.stderr, flush=True)
+        print(f"[engine] serving {m.name!r} on the rings ({mode} mode)", file=sys.stderr, flush=True)
         try:
             SERVING.set()
             server.run(stop)
@@ -121,10 +153,31 @@ def serve_loop(profile: Profile, stop: threading.Event) -> None:
             log.warning("the ring region is still referenced; it is unmapped at exit")
 
 
+def _model_index(profile: Profile, value: int | None) -> int:
+    """--model: which of the profile's models this process serves (default: the only one)."""
+    if value is None:
+        if len(profile.models) != 1:
+            raise ProfileError(
+                f"the profile has {len(profile.models)} models, an engine process each; pass --model "
+                "(the daemon does)"
+            )
+        return 0
+    if not 0 <= value < len(profile.models):
+        raise ProfileError(f"--model {value}: the profile has {len(profile.models)} models")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m blink_appliance.engine.process")
     parser.add_argument("profile")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument(
+        "--model", type=int, default=None, help="index of the model to serve (default: the only one)"
+    )
+    parser.add_argument(
+        "--device-free-bytes", type=int, default=None,
+        help="free memory of the model's CUDA device before any engine started (several models on it)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     set_on_signals(stop, (signal.SIGTERM,))
     try:
         profile = load_profile(args.profile)
+        index = _model_index(profile, args.model)
     except ProfileError as e:
         print(f"[engine] {e}", file=sys.stderr)
         return 2
@@ -150,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
         watch_parent(parent_pid, parent_gone)
     try:
-        serve(profile, stop)
+        serve(profile, index, stop, device_free_bytes=args.device_free_bytes)
     except ProfileError as e:
         print(f"[engine] {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from blink_appliance.telemetry.host import HostSampler
 from blink_appliance.telemetry.interference import interference_verdict
 from blink_appliance.telemetry.latency import TokenLatencyTracker
 from blink_appliance.telemetry.sched_probe import SchedLatencyProbe
+from blink_appliance.telemetry.sm_share import sm_shares
 from blink_appliance.telemetry.snapshot import (
     EngineCounters,
     GpuStats,
@@ -16,6 +17,7 @@ from blink_appliance.telemetry.snapshot import (
     LatencyStats,
     ModelTelemetry,
     ProcessStats,
+    SmShare,
     TelemetrySnapshot,
 )
 from blink_appliance.telemetry.source import TelemetrySource
@@ -30,8 +32,10 @@ __all__ = [
     "ModelTelemetry",
     "ProcessStats",
     "SchedLatencyProbe",
+    "SmShare",
     "TelemetrySnapshot",
     "TelemetrySource",
     "TokenLatencyTracker",
     "interference_verdict",
+    "sm_shares",
 ]

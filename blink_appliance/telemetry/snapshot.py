@@ -7,7 +7,7 @@ only ever a measurement, never a placeholder.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
@@ -65,11 +65,30 @@ class LatencyStats(BaseModel):
     tokens_per_s_history: list[float] = Field(default_factory=list)
 
 
+class SmShare(BaseModel):
+    """The part of its GPU a model's engine gets by the profile (`[[models]] sm_count`).
+
+    "partition": `sm_count` SMs of its own; "rest": no sm_count, it shares the SMs the other
+    models on its GPU leave; "whole": no sm_count and no other model partitions its GPU.
+    """
+
+    kind: Literal["partition", "rest", "whole"]
+    sm_count: int | None = None  # set for "partition" only
+
+    @property
+    def label(self) -> str:
+        if self.kind == "partition":
+            return f"{self.sm_count} SMs"
+        return "rest of the GPU" if self.kind == "rest" else "whole GPU"
+
+
 class ModelTelemetry(BaseModel):
     name: str
     engine: EngineCounters | None = None  # None: the engine's counters could not be read
     engine_error: str | None = None
     latency: LatencyStats
+    # The profile's SM share; None on a CPU engine, or from a front end that does not say.
+    sm_share: SmShare | None = None
 
 
 class ProcessStats(BaseModel):

@@ -1,8 +1,9 @@
 """TelemetrySource: everything the appliance measures, sampled on one cadence into snapshots.
 
 The front end owns one. It passes a callable that returns the engines' counters keyed by model
-name (e.g. `lambda: {name: client.telemetry()}`), records token timestamps into
-`source.latency(model)`, and serves the snapshots (frontend/telemetry_routes.py). One background task
+name (e.g. `lambda: {name: client.telemetry() for name, client in clients.items()}`), each
+model's device and SM share, records token timestamps into `source.latency(model)`, and serves
+the snapshots (frontend/telemetry_routes.py). One background task
 samples every `interval_s`, however many clients watch, so host-CPU rates and the energy counter
 are differenced over a steady period and watching adds no load per viewer.
 """
@@ -26,6 +27,7 @@ from blink_appliance.telemetry.snapshot import (
     GpuStats,
     HostStats,
     ModelTelemetry,
+    SmShare,
     TelemetrySnapshot,
     engine_counters_from,
 )
@@ -48,9 +50,14 @@ class TelemetrySource:
         energy_window_s: float = 10.0,
         tracker_factory: Callable[[], TokenLatencyTracker] = TokenLatencyTracker,
         device: str | None = None,
+        devices: Mapping[str, str] | None = None,
+        sm_shares: Mapping[str, SmShare | None] | None = None,
     ) -> None:
         self._engine_counters = engine_counters
-        self._device = device  # the profile's "cpu" or "cuda:N", shown where engines name none
+        # The profile's "cpu" or "cuda:N", shown where engines name none: per model, else `device`.
+        self._device = device
+        self._devices = dict(devices or {})
+        self._sm_shares = dict(sm_shares or {})
         self.host = host if host is not None else HostSampler()
         self.gpu = gpu if gpu is not None else GpuSampler()
         self.interval_s = interval_s
@@ -140,11 +147,14 @@ class TelemetrySource:
         except Exception as e:  # engine gone or restarting: report, do not invent numbers
             return {}, f"{type(e).__name__}: {e}"
 
-    def _device_label(self, gpu: GpuStats) -> str | None:
-        """What the engine runs on, for people: "cpu", or the GPU's name (its "cuda:N" without NVML)."""
-        if self._device is None or self._device == "cpu":
-            return self._device
-        return gpu.name if gpu.available and gpu.name else self._device
+    def _device_label(self, model: str, gpu: GpuStats) -> str | None:
+        """What `model`'s engine runs on, for people: "cpu", or the GPU's name (its "cuda:N" without
+        NVML, or when it is not the GPU the sampler reads)."""
+        device = self._devices.get(model, self._device)
+        if device is None or device == "cpu":
+            return device
+        sampled = device.partition(":")[2] in ("", str(self.gpu.device_index))
+        return gpu.name if gpu.available and gpu.name and sampled else device
 
     def _sample_devices(self) -> tuple[HostStats, GpuStats]:
         return self.host.sample(), self.gpu.sample()
@@ -154,11 +164,10 @@ class TelemetrySource:
         engines, engine_error = await self._read_engines()
         host, gpu = await asyncio.to_thread(self._sample_devices)
         now = time.monotonic()
-        device = self._device_label(gpu)
-        if device is not None:
-            for name, counters in engines.items():
-                if counters.device is None:
-                    engines[name] = counters.model_copy(update={"device": device})
+        for name, counters in engines.items():
+            device = self._device_label(name, gpu)
+            if counters.device is None and device is not None:
+                engines[name] = counters.model_copy(update={"device": device})
 
         names = list(self._trackers)
         names += [n for n in engines if n not in self._trackers]
@@ -168,6 +177,7 @@ class TelemetrySource:
                 engine=engines.get(name),
                 engine_error=engine_error if name not in engines else None,
                 latency=self.latency(name).stats(),
+                sm_share=self._sm_shares.get(name),
             )
             for name in names
         ]

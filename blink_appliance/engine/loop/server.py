@@ -337,22 +337,24 @@ def build_loop_server(
     checkpoint: Checkpoint,
     plan: ModelPlan,
     transport: ShmTransport,
+    *,
+    index: int = 0,
     **options: float,
 ) -> LoopEngineServer:
-    """Everything the GPU loop serves with, from the profile: weights on the device, KV cache, the
-    loop's state and kernels (LoopStep), the ring mapped into the GPU, the forward graphs and, in
-    mode "loop", the DeviceLoop graph (captured, not launched: run() launches it)."""
+    """Everything the GPU loop serves models[index] with, from the profile: weights on the device, KV
+    cache, the loop's state and kernels (LoopStep), its ring region mapped into the GPU, the forward
+    graphs and, in mode "loop", the DeviceLoop graph (captured, not launched: run() launches it)."""
     from blink_appliance.engine.loop.geometry import loop_geometry
     from blink_appliance.engine.loop.step import LoopStep
     from blink_appliance.model.gpu_weights import GpuWeights
     from blink_appliance.profile import ProfileError, ring_geometry
     from blink_appliance.wire.ring_layout import RingLayout
 
-    mode = profile.engine_mode
+    mode, model = profile.engine_mode_of(index), profile.models[index]
     if mode not in ("loop", "host"):
         raise ProfileError(f"engine.mode: {mode!r} is not served by the GPU loop")
-    device = torch.device(profile.model.device)
-    dtype = getattr(torch, profile.model.dtype)
+    device = torch.device(model.device)
+    dtype = getattr(torch, model.dtype)
     if device.type == "cpu":
         if mode == "loop":
             raise ProfileError("engine.mode: 'loop' needs a CUDA device; on 'cpu' use 'host'")
@@ -362,10 +364,10 @@ def build_loop_server(
                 "set TRITON_INTERPRET=1 before the kernels are imported"
             )
     elif not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-        raise ProfileError(f"models[0].device: {device} is not available on this machine")
+        raise ProfileError(f"models[{index}].device: {device} is not available on this machine")
     config = checkpoint.config
-    geometry = loop_geometry(profile, plan, config)
-    ring = ring_geometry(profile)
+    geometry = loop_geometry(profile, plan, config, index=index)
+    ring = ring_geometry(profile, index)
     region = RingRegion.attach(transport, ring)
     owned: list[Closeable] = []
     try:
