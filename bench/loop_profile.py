@@ -149,6 +149,15 @@ def top_kernels(step: LoopStep, steps: int, n: int) -> list[dict]:
          "us_per_step": (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps}
         for e in kernels
     ]  # fmt: skip
+    if cuda:  # a kernel launched several times a step (the sampler's rounds): each launch apart
+        calls: dict[str, list] = {}
+        for e in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start):  # fmt: skip
+            calls.setdefault(e.name[:100], []).append(e.time_range.elapsed_us())
+        for row in rows:
+            k, times = round(row["calls_per_step"]), calls.get(row["name"], [])
+            if 1 < k <= 8 and len(times) >= k:
+                row["us_per_call_by_position"] = [round(statistics.median(times[j::k]), 1) for j in range(k)]
     return sorted(rows, key=lambda r: -r["us_per_step"])[:n]
 
 
