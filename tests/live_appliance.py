@@ -97,15 +97,19 @@ def write_profile(directory: Path, source: str, *, drain_timeout_s: float = 20.0
 
 
 def start_appliance(directory: Path, source: str, **kwargs: object) -> LiveAppliance:
-    profile = write_profile(directory, source, **kwargs)
+    return start_profile(directory, write_profile(directory, source, **kwargs))
+
+
+def start_profile(directory: Path, profile: Path) -> LiveAppliance:
+    """`blink-appliance up PROFILE` until it prints its URL (the daemon does once everything serves)."""
     log_path = directory / "appliance.log"
-    log = log_path.open("w")
     exe = Path(sys.executable).parent / "blink-appliance"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("BLINK_API_KEY", None)
-    proc = subprocess.Popen(
-        [str(exe), "up", str(profile)], stdout=subprocess.PIPE, stderr=log, text=True, env=env
-    )
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [str(exe), "up", str(profile)], stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
     url: list[str] = []
     reader = threading.Thread(target=lambda: url.append(proc.stdout.readline().strip()), daemon=True)  # type: ignore[union-attr]
     reader.start()

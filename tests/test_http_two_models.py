@@ -6,9 +6,6 @@ so a prompt only it refuses shows which model's limits a request met."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import openai
@@ -16,7 +13,7 @@ import psutil
 import pytest
 
 from blink_appliance.profile import load_profile, region_name
-from tests.live_appliance import API_KEY, START_TIMEOUT_S, LiveAppliance
+from tests.live_appliance import API_KEY, LiveAppliance, start_profile
 
 NAMES = ("smollm2-long", "smollm2-short")
 SHORT_CONTEXT = 128
@@ -58,23 +55,7 @@ api_keys = ["{API_KEY}"]
 def two_models(tmp_path_factory: pytest.TempPathFactory, smollm2_source: str):
     directory = tmp_path_factory.mktemp("two-models")
     profile = write_two_model_profile(directory, smollm2_source)
-    log_path = directory / "appliance.log"
-    exe = Path(sys.executable).parent / "blink-appliance"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("BLINK_API_KEY", None)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [str(exe), "up", str(profile)], stdout=subprocess.PIPE, stderr=log, text=True, env=env
-        )
-    url: list[str] = []
-    # The daemon prints the URL on stdout once both engines and the front end serve.
-    reader = threading.Thread(target=lambda: url.append(proc.stdout.readline().strip()), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    app = LiveAppliance(proc, url[0] if url else "", log_path)
-    if not app.url.startswith("http://"):
-        app.stop(10)
-        raise RuntimeError(f"the two-model appliance did not come up (exit {proc.poll()}):\n{app.log()}")
+    app = start_profile(directory, profile)
     yield app
     code = app.stop()
     assert code == 0, f"appliance exited with {code}:\n{app.log()}"
