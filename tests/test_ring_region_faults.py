@@ -227,6 +227,8 @@ async def test_an_engine_that_starts_on_contradicting_ring_words_resets_them_and
 @given(word=st.sampled_from(["req_head", "arena_head"]), overwrite=OVERWRITES)
 @example(word="req_head", overwrite=Overwrite(near=True, n=3))  # published where the engine never reads
 @example(word="arena_head", overwrite=Overwrite(near=False, n=2**63))  # "arena full" for good
+# Within the engine's reach but past every queued prompt: tokens nobody frees, the arena full for good.
+@example(word="arena_head", overwrite=Overwrite(near=False, n=129))
 def test_a_front_end_that_starts_on_overwritten_heads_continues_where_the_engine_reads(word, overwrite):
     """A front end restarted after its heads were overwritten (its predecessor died before it put
     them back): it takes the ring's place from the engine's tail and the records published there."""

@@ -30,11 +30,22 @@ class RingCursor:
 
     def take_heads(self) -> None:
         """Start (a front end taking over the region) where the engine reads next: after the records
-        published at its tail, which the seq words tell without the req_head word, and at the arena
-        head word if the engine's arena tail can reach it (else at that tail)."""
-        r = self.region
-        self.head, self.arena_head = r.load("req_head"), r.load("arena_head")
-        self._follow_tails(r.load("req_tail"), r.load("arena_tail"))
+        published at its tail, which the seq words tell without the req_head word; and in the arena
+        where the last of them ends, or at the engine's arena tail when none is queued. The arena_head
+        word is not trusted: one past every queued prompt would hold tokens nobody frees."""
+        r, g = self.region, self.geometry
+        tail, arena_tail = r.load("req_tail"), r.load("arena_tail")
+        self.head, self.arena_head = r.load("req_head"), arena_tail
+        self._follow_tails(tail, arena_tail)
+        end = arena_tail
+        if self.head > tail:
+            last = int(r.read_record(self.head - 1)[0]["arena_end"])
+            end = last if 0 <= last - arena_tail <= g.arena_tokens else arena_tail
+        if r.load("arena_head") != end:
+            log.error("the arena_head word is %d; the queued prompts end at %d: continuing there",
+                      r.load("arena_head"), end)  # fmt: skip
+            r.store("arena_head", end)
+        self.arena_head = end
 
     def check(self, now_ns: int) -> tuple[int, int] | None:
         """Check the ring's words against ours (before a record goes in, and now and then from the
