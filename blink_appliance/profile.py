@@ -14,9 +14,19 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +64,11 @@ class ApplianceSection(_Section):
         return v
 
 
+# A request priority: an int32 (the ring record's field), lower runs first. Strict: TOML's `true` or
+# "5" are errors, not 1 and 5.
+Priority = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]
+
+
 class ModelSection(_Section):
     name: str  # the id clients pass as "model"
     source: str | None = None  # hf:<dir>, gguf:<file>, dummy:<preset> or a named model; default: name
@@ -72,6 +87,9 @@ class ModelSection(_Section):
     block_size: int = Field(default=16, ge=1, le=1024)
     sm_count: int | None = Field(default=None, ge=1)  # SMs of this model's partition (GPU loop only)
     seed: int = 0  # seed of dummy: weights
+    # The priority class of this model's requests (lower runs first) when the request's API key has
+    # none; a request may lower its own priority (a larger number), never raise it (docs/api.md).
+    priority: Priority = 0
 
     @field_validator("device")
     @classmethod
@@ -129,6 +147,41 @@ class ModelSection(_Section):
         return self.max_output_tokens if self.max_output_tokens is not None else self.max_model_len - 1
 
 
+_KEY_RULE = "each key must be at least 8 characters without whitespace"
+
+
+def _key_ok(key: str) -> str:
+    if len(key) < 8 or any(c.isspace() for c in key):
+        raise ValueError(_KEY_RULE)
+    return key
+
+
+class ApiKey(_Section):
+    """One bearer key of `[frontend] api_keys`; `priority`: the class its requests run in (None: the
+    model's `priority`)."""
+
+    key: StrictStr
+    priority: Priority | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _key_rule(cls, v: str) -> str:
+        return _key_ok(v)
+
+
+def _key_table(value: Any) -> Any:
+    """A plain string entry is a key without a class; a table is validated as an ApiKey (so its
+    errors name `frontend.api_keys[i].priority`)."""
+    if isinstance(value, str):
+        return {"key": _key_ok(value)}
+    if isinstance(value, dict | ApiKey):
+        return value
+    raise ValueError('expected a key string or a table {key = "...", priority = N}')
+
+
+ApiKeyEntry = Annotated[ApiKey, BeforeValidator(_key_table)]
+
+
 class FrontendSection(_Section):
     host: str = "127.0.0.1"  # loopback unless the profile says otherwise
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (printed when ready)
@@ -136,7 +189,9 @@ class FrontendSection(_Section):
     transport: Literal["shm", "rdma"] = "shm"
     max_request_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies get 413
     max_inflight: int = Field(default=256, ge=1, le=65536)  # requests admitted at once; more get 503
-    api_keys: list[str] = Field(default_factory=list)  # bearer keys; env BLINK_API_KEY adds one
+    # Bearer keys: a string, or a table {key = "...", priority = N} whose requests run in class N
+    # (docs/api.md, "Priority"); env BLINK_API_KEY adds one without a class.
+    api_keys: list[ApiKeyEntry] = Field(default_factory=list)
     # A connection must send a whole request head within this long of opening, or of its last
     # response (so it is also the idle keep-alive limit); then it is closed.
     header_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
@@ -154,11 +209,17 @@ class FrontendSection(_Section):
 
     @field_validator("api_keys")
     @classmethod
-    def _keys_ok(cls, v: list[str]) -> list[str]:
-        for key in v:
-            if len(key) < 8 or any(c.isspace() for c in key):
-                raise ValueError("each key must be at least 8 characters without whitespace")
+    def _keys_distinct(cls, v: list[ApiKey]) -> list[ApiKey]:
+        first: dict[str, int] = {}
+        for i, entry in enumerate(v):
+            if entry.key in first:  # with classes, which one would a request get?
+                raise ValueError(f"[{i}] repeats the key of [{first[entry.key]}]; list each key once")
+            first[entry.key] = i
         return v
+
+    @property
+    def bearer_keys(self) -> list[str]:
+        return [entry.key for entry in self.api_keys]
 
 
 EngineMode = Literal["reference", "loop", "host"]
@@ -181,6 +242,9 @@ class EngineSection(_Section):
     # True: no atomics in the forward (O and down sum split-K partials in a fixed order), the same step
     # gives the same logits every run, 3-5% slower (1B decode). Default: fp32 atomics into the stream.
     deterministic: bool | None = None
+    # A waiting request's priority improves by one per this many engine steps it has waited (never past
+    # the most urgent live request's class); 0: no aging. Both engines (docs/engine.md, "Scheduling").
+    priority_aging_steps: int = Field(default=0, ge=0, le=2**31 - 1)
 
     @field_validator("buckets")
     @classmethod

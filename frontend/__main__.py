@@ -192,6 +192,11 @@ def _services(
             engine_telemetry=client.telemetry,
             engine_alive=lambda client=client: client.engine_alive,
             tracker=telemetry.latency(m.name) if telemetry is not None else None,
+            class_tracker=(
+                (lambda priority, name=m.name: telemetry.class_latency(name, priority))
+                if telemetry is not None
+                else None
+            ),
             registry=registry,
         )
         limits = ServiceLimits(
@@ -200,6 +205,7 @@ def _services(
             max_prompt_tokens=geometry.max_prompt_tokens,
             max_output_tokens=geometry.max_output_tokens,
             max_stop_ids=geometry.max_stop_ids,
+            default_priority=m.priority,
         )
         services.append(CompletionService(client, tokenizer, detokenizer, limits, metrics))
     return ModelRouter(services), telemetry

@@ -66,6 +66,14 @@ class ServiceLimits:
     max_output_tokens: int
     max_stop_ids: int
     retry_after_s: int = 1
+    # The model's priority class (`[[models]] priority`): a request's base when its key has none.
+    default_priority: int = 0
+
+
+def effective_priority(base: int, requested: int | None) -> int:
+    """The priority a request runs at: its base (the key's class, else the model's), or what it
+    asks for when that is lower (a larger number): a request never raises itself above its base."""
+    return base if requested is None else max(base, requested)
 
 
 @dataclass
@@ -78,6 +86,7 @@ class Prepared:
     stop_strings: list[str]
     stream: bool
     include_usage: bool
+    priority: int = 0  # effective: lower runs first (effective_priority)
     completion_tokens: int = 0
 
     @property
@@ -142,7 +151,8 @@ class CompletionService:
                 code="model_not_found",
             )
 
-    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    async def prepare_completion(self, req: CompletionRequest, key_priority: int | None = None) -> Prepared:
+        """`key_priority`: the class of the API key the request came with (None: none, or no keys)."""
         self.check_model(req.model)
         prompt = req.single_prompt
         if isinstance(prompt, str):
@@ -152,9 +162,11 @@ class CompletionService:
         else:
             ids = list(prompt)
             self._check_ids(ids, "prompt")
-        return self._prepared(req, ids, req.max_tokens, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return self._prepared(
+            req, ids, req.max_tokens, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, key_priority=key_priority
+        )
 
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
         messages = req.template_messages()
         try:
@@ -170,7 +182,7 @@ class CompletionService:
             ids = await self._encode(templated, add_special_tokens=False)
         else:
             ids = list(templated)
-        return self._prepared(req, ids, req.token_limit, default_max=None)
+        return self._prepared(req, ids, req.token_limit, default_max=None, key_priority=key_priority)
 
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(
@@ -196,7 +208,12 @@ class CompletionService:
             raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
 
     def _prepared(
-        self, req: _SamplingRequest, ids: list[int], max_tokens: int | None, default_max: int | None
+        self,
+        req: _SamplingRequest,
+        ids: list[int],
+        max_tokens: int | None,
+        default_max: int | None,
+        key_priority: int | None = None,
     ) -> Prepared:
         lim = self.limits
         n = len(ids)
@@ -244,6 +261,9 @@ class CompletionService:
             stop_strings=req.stop_strings,
             stream=req.stream,
             include_usage=req.include_usage,
+            priority=effective_priority(
+                lim.default_priority if key_priority is None else key_priority, req.priority
+            ),
         )
 
     # -- generation ---------------------------------------------------------------------------
@@ -254,24 +274,24 @@ class CompletionService:
                 "the appliance is shutting down", retry_after_s=self.limits.retry_after_s
             )
         if not self.client.engine_alive:
-            self.metrics.error("engine_unavailable")
+            self.metrics.error("engine_unavailable", prep.priority)
             raise service_unavailable(
                 "the engine is not running (starting or restarting); retry shortly",
                 retry_after_s=self.limits.retry_after_s,
             )
         try:
-            rid = self.client.submit(prep.prompt_ids, prep.params)
+            rid = self.client.submit(prep.prompt_ids, prep.params, priority=prep.priority)
             if inspect.isawaitable(rid):
                 rid = await rid
         except ValueError as e:
             raise bad_request(str(e)) from None
         except EngineBusyError as e:
-            self.metrics.error("busy")
+            self.metrics.error("busy", prep.priority)
             raise service_unavailable(
                 f"the engine is at capacity ({e}); retry shortly", retry_after_s=self.limits.retry_after_s
             ) from None
         except EngineDeadError as e:
-            self.metrics.error("engine_unavailable")
+            self.metrics.error("engine_unavailable", prep.priority)
             raise service_unavailable(
                 f"the engine is not running: {e}", retry_after_s=self.limits.retry_after_s
             ) from None
@@ -292,7 +312,7 @@ class CompletionService:
             raise
         self._inflight.count += 1
         self._inflight.idle.clear()
-        timer = self.metrics.request_timer(prep.prompt_tokens)
+        timer = self.metrics.request_timer(prep.prompt_tokens, prep.priority)
         detok = self._detokenizer_factory(self.tokenizer, prep.prompt_ids)
         stops = StopStringMatcher(prep.stop_strings)
         finished = False
@@ -322,7 +342,7 @@ class CompletionService:
                             continue
                         if reason in (FinishReason.ABORT, FinishReason.ERROR):
                             finished = True
-                            self.metrics.error("engine_" + reason.value)
+                            timer.error("engine_" + reason.value)
                             if text:  # what came before the failure still reaches the client
                                 yield Piece(text)
                             raise EngineFailure(ev.error or f"the engine ended the request ({reason.value})")
@@ -337,11 +357,11 @@ class CompletionService:
                         yield Piece(text)
             # The stream ended without a terminal event: the ring lost the request.
             finished = True
-            self.metrics.error("engine_lost")
+            timer.error("engine_lost")
             raise EngineFailure("the engine stopped answering this request")
         except (EngineDeadError, EngineBusyError) as e:
             finished = True
-            self.metrics.error("engine_died")
+            timer.error("engine_died")
             raise EngineFailure(f"the engine failed while generating: {e}") from None
         finally:
             if not finished:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from blink_appliance.frontend.auth import KEY_PRIORITY
 from blink_appliance.frontend.completion_service import CompletionService, EngineFailure, Piece, Prepared
 from blink_appliance.frontend.errors import APIError, bad_request
 from blink_appliance.frontend.metrics import CONTENT_TYPE
@@ -86,7 +87,7 @@ def _failure(e: EngineFailure) -> APIError:
 async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_request(CompletionRequest, await _json_body(request))
     service = request.app[MODELS].service_for(req.model)
-    prep = await service.prepare_completion(req)
+    prep = await service.prepare_completion(req, request.get(KEY_PRIORITY))
     model = service.limits.model_name
     created = now_s()
 
@@ -106,7 +107,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_request(ChatCompletionRequest, await _json_body(request))
     service = request.app[MODELS].service_for(req.model)
-    prep = await service.prepare_chat(req)
+    prep = await service.prepare_chat(req, request.get(KEY_PRIORITY))
     model = service.limits.model_name
     created = now_s()
     first = True

@@ -5,6 +5,11 @@ Engine gauges (running, waiting, KV usage) are read from each engine's telemetry
 time, so a scrape costs nothing while nobody scrapes. One `MetricsRegistry` holds every served
 model's series, told apart by the `model_name` label (vLLM's name for it); each app gets its own
 registry so several front ends in one process (tests) do not collide.
+
+Per priority class: the latency histograms and the request counters also carry a `priority` label,
+the effective priority the request ran at (docs/api.md, "Priority"). A model's first
+MAX_PRIORITY_CLASSES classes get a label each; requests of any further class share
+`priority="other"`, so clients choosing numbers cannot grow the series without bound.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from blink_appliance.telemetry.latency import TokenLatencyTracker
+from blink_appliance.telemetry.latency import MAX_PRIORITY_CLASSES, TokenLatencyTracker
 from blink_appliance.telemetry.snapshot import engine_counters_from
 from blink_appliance.wire.ring_layout import STEP_TIME_BOUNDS_US, STEP_TIME_FIELDS
 
@@ -33,6 +38,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _LABELS = ["model_name"]
+_CLASS_LABELS = ["model_name", "priority"]
+OTHER_CLASS = "other"  # the label of classes beyond a model's first MAX_PRIORITY_CLASSES
 _GAUGES = (
     ("blink_num_requests_running", "Requests the engine is running", "running"),
     ("blink_num_requests_waiting", "Requests admitted and waiting in the engine", "waiting"),
@@ -101,27 +108,27 @@ class MetricsRegistry:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
-            "blink_time_to_first_token_seconds", "Time to first token", _LABELS,
+            "blink_time_to_first_token_seconds", "Time to first token", _CLASS_LABELS,
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.tpot = Histogram(
-            "blink_time_per_output_token_seconds", "Time per output token after the first", _LABELS,
+            "blink_time_per_output_token_seconds", "Time per output token after the first", _CLASS_LABELS,
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.e2e = Histogram(
-            "blink_e2e_request_latency_seconds", "Request latency, arrival to last token", _LABELS,
+            "blink_e2e_request_latency_seconds", "Request latency, arrival to last token", _CLASS_LABELS,
             buckets=_E2E_BUCKETS, registry=r,
         )  # fmt: skip
         self.prompt = Counter("blink_prompt_tokens", "Prompt tokens processed", _LABELS, registry=r)
         self.generation = Counter("blink_generation_tokens", "Tokens generated", _LABELS, registry=r)
         self.finished = Counter(
             "blink_request_success", "Requests finished, by finish reason",
-            [*_LABELS, "finished_reason"], registry=r,
+            [*_CLASS_LABELS, "finished_reason"], registry=r,
         )  # fmt: skip
         self.errors = Counter(
             "blink_request_errors",
             "Requests that ended in an error, by cause",
-            [*_LABELS, "cause"],
+            [*_CLASS_LABELS, "cause"],
             registry=r,
         )
         self._engines = _EngineGauges()
@@ -142,9 +149,25 @@ class MetricsRegistry:
         return generate_latest(self.registry)
 
 
+class _ClassSeries:
+    """One priority class of one model: its latency children (looked up once: labels() per token
+    cost 5% of a saturated front end, H100 batch 64) and its telemetry tracker."""
+
+    def __init__(
+        self, families: MetricsRegistry, model: str, label: str, tracker: TokenLatencyTracker | None
+    ) -> None:
+        self.label = label
+        self.ttft = families.ttft.labels(model, label)
+        self.tpot = families.tpot.labels(model, label)
+        self.e2e = families.e2e.labels(model, label)
+        self.tracker = tracker
+
+
 class ServingMetrics:
     """One model's per-request observations -> its Prometheus series (and the TUI's latency
-    tracker, when given). Pass the front end's `registry` to share it with the other models."""
+    trackers, when given: the model's, and one per priority class from `class_tracker(priority)`,
+    None for the classes past MAX_PRIORITY_CLASSES). Pass the front end's `registry` to share it
+    with the other models."""
 
     def __init__(
         self,
@@ -153,16 +176,16 @@ class ServingMetrics:
         engine_telemetry: Callable[[], Mapping[str, Any]],
         engine_alive: Callable[[], bool],
         tracker: TokenLatencyTracker | None = None,
+        class_tracker: Callable[[int | None], TokenLatencyTracker] | None = None,
         registry: MetricsRegistry | None = None,
     ) -> None:
         self.model = model
         self.families = families = registry if registry is not None else MetricsRegistry()
         families.add_engine(model, engine_telemetry, engine_alive)
         self._tracker = tracker
-        # Children looked up once: labels() per token cost 5% of a saturated front end (H100, batch 64).
-        self._ttft_child = families.ttft.labels(model)
-        self._tpot_child = families.tpot.labels(model)
-        self._e2e_child = families.e2e.labels(model)
+        self._class_tracker = class_tracker
+        self._classes: dict[int, _ClassSeries] = {}
+        self._other: _ClassSeries | None = None
         self._prompt_child = families.prompt.labels(model)
         self._generation_child = families.generation.labels(model)
 
@@ -170,15 +193,31 @@ class ServingMetrics:
     def registry(self) -> CollectorRegistry:
         return self.families.registry
 
-    def request_timer(self, prompt_tokens: int) -> RequestTimer:
+    def series(self, priority: int) -> _ClassSeries:
+        """The series of class `priority` (created on its first request), or the shared "other"."""
+        found = self._classes.get(priority)
+        if found is not None:
+            return found
+        if len(self._classes) < MAX_PRIORITY_CLASSES:
+            found = self._classes[priority] = self._new_series(str(priority), priority)
+            return found
+        if self._other is None:
+            self._other = self._new_series(OTHER_CLASS, None)
+        return self._other
+
+    def _new_series(self, label: str, priority: int | None) -> _ClassSeries:
+        tracker = self._class_tracker(priority) if self._class_tracker is not None else None
+        return _ClassSeries(self.families, self.model, label, tracker)
+
+    def request_timer(self, prompt_tokens: int, priority: int = 0) -> RequestTimer:
         self._prompt_child.inc(prompt_tokens)
-        return RequestTimer(self)
+        return RequestTimer(self, self.series(priority))
 
-    def error(self, cause: str) -> None:
-        self.families.errors.labels(self.model, cause).inc()
+    def error(self, cause: str, priority: int = 0) -> None:
+        self.families.errors.labels(self.model, self.series(priority).label, cause).inc()
 
-    def finished(self, reason: str) -> None:
-        self.families.finished.labels(self.model, reason).inc()
+    def finished(self, reason: str, priority: int = 0) -> None:
+        self.families.finished.labels(self.model, self.series(priority).label, reason).inc()
 
     def render(self) -> bytes:
         """Every model's series in the shared registry, not only this model's."""
@@ -188,8 +227,9 @@ class ServingMetrics:
 class RequestTimer:
     """Timestamps of one request's tokens (monotonic ns, the latency tracker's clock)."""
 
-    def __init__(self, metrics: ServingMetrics) -> None:
+    def __init__(self, metrics: ServingMetrics, series: _ClassSeries) -> None:
         self._m = metrics
+        self._series = series
         self.start_ns = time.monotonic_ns()
         self.first_ns: int | None = None
         self.last_ns: int | None = None
@@ -198,24 +238,35 @@ class RequestTimer:
     def token(self, now: int | None = None) -> None:
         """A token delivered at `now` (monotonic ns; default: this moment)."""
         now = time.monotonic_ns() if now is None else max(now, self.last_ns or now)
-        m = self._m
+        m, c = self._m, self._series
         if self.first_ns is None:
             self.first_ns = now
-            m._ttft_child.observe((now - self.start_ns) / 1e9)
+            c.ttft.observe((now - self.start_ns) / 1e9)
             if m._tracker is not None:
                 m._tracker.record_first_token(self.start_ns, now)
-        elif m._tracker is not None and self.last_ns is not None:
-            m._tracker.record_token(self.last_ns, now)
+            if c.tracker is not None:
+                c.tracker.record_first_token(self.start_ns, now)
+        elif self.last_ns is not None:
+            if m._tracker is not None:
+                m._tracker.record_token(self.last_ns, now)
+            if c.tracker is not None:
+                c.tracker.record_token(self.last_ns, now)
         self.last_ns = now
         self.tokens += 1
         m._generation_child.inc()
 
+    def error(self, cause: str) -> None:
+        """The request ended in an error (no finish reason): counted under its class."""
+        self._m.families.errors.labels(self._m.model, self._series.label, cause).inc()
+
     def finish(self, reason: str) -> None:
-        m = self._m
+        m, c = self._m, self._series
         now = time.monotonic_ns()
-        m._e2e_child.observe((now - self.start_ns) / 1e9)
-        m.finished(reason)
+        c.e2e.observe((now - self.start_ns) / 1e9)
+        m.families.finished.labels(m.model, c.label, reason).inc()
         if self.first_ns is not None and self.last_ns is not None and self.tokens > 1:
-            m._tpot_child.observe((self.last_ns - self.first_ns) / 1e9 / (self.tokens - 1))
-        if m._tracker is not None and self.first_ns is not None and self.last_ns is not None:
-            m._tracker.record_request_done(self.first_ns, self.last_ns, self.tokens)
+            c.tpot.observe((self.last_ns - self.first_ns) / 1e9 / (self.tokens - 1))
+        if self.first_ns is not None and self.last_ns is not None:
+            for tracker in (m._tracker, c.tracker):
+                if tracker is not None:
+                    tracker.record_request_done(self.first_ns, self.last_ns, self.tokens)

@@ -40,6 +40,9 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping; no effect on output
+    # vLLM's extension: lower runs first. The appliance runs a request at the larger (later) of this
+    # and its base class (its API key's, else the model's): a request may lower itself, never raise.
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
 
     # OpenAI parameters not built yet: refused unless they ask for the default behaviour.
     logprobs: Any = None

@@ -51,12 +51,7 @@ import triton
 import triton.language as tl
 from blink_appliance.kernels.kv_blocks import release_slots
 from blink_appliance.kernels.ring_access import now_ns
-from blink_appliance.kernels.schedule_batch import (
-    admit_waiting,
-    fill_budget,
-    order_running,
-    write_running_batch,
-)
+from blink_appliance.kernels.schedule_batch import build_batch
 from blink_appliance.kernels.schedule_records import read_ring_words, take_records
 from blink_appliance.kernels.schedule_step import counter_deltas, finish_step_tables, write_forward_inputs
 
@@ -71,6 +66,8 @@ class SlotTensors(NamedTuple):
     priority: tl.tensor
     arrival: tl.tensor
     run_order: tl.tensor
+    run_priority: tl.tensor
+    wait_since: tl.tensor
     prompt_len: tl.tensor
     num_tokens: tl.tensor
     num_computed: tl.tensor
@@ -116,7 +113,7 @@ def schedule_kernel(
     ring_ptr,
     # DeviceState, per slot
     slot_state_ptr, chan_ptr, generation_ptr, request_id_ptr, priority_ptr, arrival_ptr, run_order_ptr,
-    prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr, temperature_ptr, top_p_ptr,
+    run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr, temperature_ptr, top_p_ptr,
     top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr,
     block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
     # DeviceState, free stack, step tables, sampling rows, control
@@ -134,7 +131,7 @@ def schedule_kernel(
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
-    NUM_COUNTERS: tl.constexpr,
+    NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr,
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
     MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
@@ -151,7 +148,8 @@ def schedule_kernel(
 ):  # fmt: skip
     slots = SlotTensors(
         slot_state=slot_state_ptr, chan=chan_ptr, generation=generation_ptr, request_id=request_id_ptr,
-        priority=priority_ptr, arrival=arrival_ptr, run_order=run_order_ptr, prompt_len=prompt_len_ptr,
+        priority=priority_ptr, arrival=arrival_ptr, run_order=run_order_ptr,
+        run_priority=run_priority_ptr, wait_since=wait_since_ptr, prompt_len=prompt_len_ptr,
         num_tokens=num_tokens_ptr, num_computed=num_computed_ptr, max_tokens=max_tokens_ptr, seed=seed_ptr,
         temperature=temperature_ptr, top_p=top_p_ptr, top_k=top_k_ptr, min_p=min_p_ptr, n_stop=n_stop_ptr,
         ignore_eos=ignore_eos_ptr, stop_ids=stop_ids_ptr, token_ids=token_ids_ptr, num_blocks=num_blocks_ptr,
@@ -178,6 +176,7 @@ def schedule_kernel(
     top = tl.load(free_top_ptr)
     next_arrival = tl.load(next_arrival_ptr)
     next_run_order = tl.load(next_run_order_ptr)
+    clock = tl.load(counters_ptr + COUNTER.steps)  # steps before this one: aging's clock (read only here)
     table_width = tl.load(scratch_ptr + BLOCK_D + BLOCK_S)  # block-table columns the last forward used
     shutdown, tail, arena_tail, live, addressable, cancel_word, position, rec, seq_word = read_ring_words(
         ring_ptr, snap_ptr, st, ch_d, md, OFF_RECORDS, REC_BYTES, REQ_SLOTS, OFF_CTL, MAX_INFLIGHT,
@@ -219,20 +218,16 @@ def schedule_kernel(
                 MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
                 SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
             )  # fmt: skip
+            # Aging counts from here (a slot taken now waits from this step on).
+            taken = free_d & (st == SLOT.WAITING)
+            tl.store(wait_since_ptr + offs_d, tl.zeros([BLOCK_D], tl.int64) + clock, mask=taken)
 
-        # 4. The batch: running sequences in run order get their chunks (preempting the most recent
-        # ones when blocks run out), then waiting slots are admitted into what is left.
-        m, ms, ks, ntok_k, ncomp_k, nb_k = order_running(
-            st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
-        )
-        n_k, budget, top, n_preempted = fill_budget(
-            top, m, ms, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
-            MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, SLOT,
-        )  # fmt: skip
-        nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
-        top, next_run_order, nseq, ntot, nsamp, sampler_index = admit_waiting(
-            ntot, nsamp, budget, top, nseq, next_run_order, sampler_index, st, md, m, n_preempted,
-            free_blocks_ptr, slots, step, S, BS, MAXB, BLOCK_D, BLOCK_J, SLOT,
+        # 4. The batch: running sequences in (class, admission) order get their chunks (preempting the
+        # last ones when blocks run out), then waiting slots are admitted into what is left, preempting
+        # running ones of a strictly lower class when they do not fit.
+        top, next_run_order, nseq, ntot, nsamp, sampler_index, n_preempted = build_batch(
+            st, md, top, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots, step,
+            S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING, SLOT,
         )  # fmt: skip
 
     # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.

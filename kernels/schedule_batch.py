@@ -1,13 +1,15 @@
 """Schedule's batch: which sequences run this step and how many tokens each, as the reference
-Scheduler.schedule picks them (decodes first, prefill chunks in the rest of the token budget, KV
-blocks from the free stack, recompute preemption, then admission of waiting slots in (priority,
-arrival) order), written into the step tables and the sample rows.
+Scheduler.schedule picks them (running sequences in (class, admission) order: decodes first, prefill
+chunks in the rest of the token budget, KV blocks from the free stack, recompute preemption of the
+last in that order; then admission of waiting slots in (effective priority, arrival) order, which
+preempts running slots of a strictly lower class when the head does not fit), written into the step
+tables and the sample rows.
 
 Part of the schedule program (kernels/schedule.py): running sequences are put in run order once
 (compaction + a rank over the running ones, through a small scratch buffer) and the budget fill is done in
 vectorized rounds (prefix sums), one round per preemption event, so a step without preemption is
-one round. The sequential part (admissions of waiting slots) loops over registers with masked
-reductions; global memory is only touched to gather/scatter.
+one round. The sequential part (admissions of waiting slots, and the preemptions they cause) loops
+over registers with masked reductions; global memory is only touched to gather/scatter.
 """
 
 from __future__ import annotations
@@ -25,11 +27,47 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
+def build_batch(
+    st, md, top, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots, step,
+    S: tl.constexpr, MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    AGING: tl.constexpr, SLOT: tl.constexpr,
+):  # fmt: skip
+    """The step's batch (Scheduler.schedule): running slots in running order get their chunks, then
+    waiting slots are admitted; slot state, step tables and sample rows written. Returns (stack top,
+    next_run_order, sequences, tokens, sample rows, sampler variant, preemptions)."""
+    m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k = order_running(
+        st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
+    )
+    n_k, nb_k, pre_k, budget, top, n_preempted = fill_budget(
+        top, m, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots, MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J,
+    )  # fmt: skip
+    n_k, nb_k, pre_k, top, next_run_order, n_victims, n_new, ntot_new, nsamp_new, sampler_new = admit_waiting(
+        budget, top, next_run_order, st, md, m, n_preempted, clock,
+        ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, step,
+        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, SLOT,
+    )  # fmt: skip
+    store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT)
+    nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
+    sampler_index = tl.maximum(sampler_index, sampler_new)
+    return (
+        top,
+        next_run_order,
+        nseq + n_new,
+        ntot + ntot_new,
+        nsamp + nsamp_new,
+        sampler_index,
+        n_preempted + n_victims,
+    )
+
+
+@triton.jit
 def order_running(
     st, md, offs_s, scratch_ptr, slots, BLOCK_D: tl.constexpr, RANK_TILE: tl.constexpr, SLOT: tl.constexpr
 ):
-    """Running slots in run order: compact them (slot order), rank by run_order, reorder. Returns
-    (m running sequences, lanes k < m, the k-th one's slot, num_tokens, num_computed, num_blocks)."""
+    """Running slots in running order: compact them (slot order), rank by (run_priority, run_order),
+    reorder. Returns (m running sequences, lanes k < m, the k-th one's slot, num_tokens, num_computed,
+    num_blocks, run_priority)."""
     offs_d = tl.arange(0, BLOCK_D)
     running = md & (st == SLOT.RUNNING)
     running_i = running.to(tl.int32)
@@ -39,32 +77,39 @@ def order_running(
     ms = offs_s < m
     compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
     ro = tl.load(slots.run_order + compact, mask=ms, other=0)
+    rp = tl.load(slots.run_priority + compact, mask=ms, other=0)
     # The rank counts over the m running sequences only, a tile at a time: an S x S comparison
     # would cost max_seqs^2 every step whatever the batch.
     rank = tl.zeros_like(offs_s)
     for j0 in range(0, m, RANK_TILE):
         offs_j = j0 + tl.arange(0, RANK_TILE)
         mj = offs_j < m
-        ro_j = tl.load(slots.run_order + tl.load(scratch_ptr + offs_j, mask=mj, other=0), mask=mj, other=0)
-        rank += tl.sum((mj[None, :] & (ro_j[None, :] < ro[:, None])).to(tl.int32), 1)
+        slot_j = tl.load(scratch_ptr + offs_j, mask=mj, other=0)
+        ro_j = tl.load(slots.run_order + slot_j, mask=mj, other=0)
+        rp_j = tl.load(slots.run_priority + slot_j, mask=mj, other=0)
+        before = (rp_j[None, :] < rp[:, None]) | (
+            (rp_j[None, :] == rp[:, None]) & (ro_j[None, :] < ro[:, None])
+        )
+        rank += tl.sum((mj[None, :] & before).to(tl.int32), 1)
     tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
     tl.debug_barrier()
     ks = tl.load(scratch_ptr + BLOCK_D + offs_s, mask=ms, other=0)  # slot of the k-th running sequence
     ntok_k = tl.load(slots.num_tokens + ks, mask=ms, other=0)
     ncomp_k = tl.load(slots.num_computed + ks, mask=ms, other=0)
     nb_k = tl.load(slots.num_blocks + ks, mask=ms, other=0)
-    return m, ms, ks, ntok_k, ncomp_k, nb_k
+    rp_k = tl.load(slots.run_priority + ks, mask=ms, other=0)
+    return m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k
 
 
 @triton.jit
 def fill_budget(
-    top, m, ms, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
+    top, m, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
     MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_J: tl.constexpr, SLOT: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):  # fmt: skip
-    """The budget fill (Scheduler.schedule phase 1) of the running sequences in run order, in
-    rounds; stores their num_computed, num_blocks and state (preempted ones WAITING). Returns
-    (each one's chunk, the budget left, the stack top, how many were preempted).
+    """The budget fill (Scheduler.schedule phases 1-2) of the running sequences in run order, in
+    rounds (store_running stores the outcome once admission is done). Returns (each one's chunk,
+    blocks held and preempted flag, the budget left, the stack top, how many were preempted).
 
     A round schedules sequences i0..hi as if no preemption happened: decodes 1 token, prefills
     greedily from what the budget leaves after one token per decode (= the reference's `reserved`),
@@ -130,11 +175,18 @@ def fill_budget(
         else:
             i0 = hi + 1
     n_preempted = tl.sum((pre_k != 0).to(tl.int32), 0)
+    return n_k, nb_k, pre_k, budget, top, n_preempted
+
+
+@triton.jit
+def store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT: tl.constexpr):
+    """The running sequences' outcome of the step: num_computed advanced by their chunk, blocks held,
+    RUNNING; or, preempted (by the budget fill or by admission), WAITING since `clock` with none."""
     preempted = ms & (pre_k != 0)
     tl.store(slots.num_computed + ks, tl.where(preempted, 0, ncomp_k + n_k), mask=ms)
     tl.store(slots.num_blocks + ks, nb_k, mask=ms)
     tl.store(slots.slot_state + ks, tl.where(preempted, SLOT.WAITING, SLOT.RUNNING), mask=ms)
-    return n_k, budget, top, n_preempted
+    tl.store(slots.wait_since + ks, tl.zeros_like(ks).to(tl.int64) + clock, mask=preempted)
 
 
 @triton.jit
@@ -159,76 +211,147 @@ def write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step):
 
 @triton.jit
 def admit_waiting(
-    ntot, nsamp, budget, top, nseq, next_run_order, sampler_index, st, md, m, n_preempted,
-    free_blocks_ptr, slots, step,
-    S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
-    SLOT: tl.constexpr,
+    budget, top, next_run_order, st, md, m, n_preempted, clock,
+    ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, step,
+    S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_J: tl.constexpr, AGING: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
-    """Admission of waiting slots (Scheduler.schedule phase 2), only in a step without preemption:
-    the head of the (priority, arrival) order while there are sequences, budget and blocks for its
-    chunk; they join the batch after the `nseq` running ones. Returns (stack top, next_run_order,
-    sequences, tokens, sample rows, sampler_index) after them."""
+    """Admission of waiting slots (Scheduler.schedule phase 3), only in a step whose budget fill
+    preempted nothing: the head of the (effective priority, arrival) order while it fits (a sequence
+    slot, budget, blocks for its chunk); when it does not and the last running sequence in running
+    order is of a strictly lower class, that one is preempted (its chunk of this step taken back) and
+    the head tried again. Stops at a head that still does not fit or that it preempted itself.
+    Admitted slots join the batch after the running ones (written here). Returns (n_k, nb_k, pre_k
+    after its preemptions, stack top, next_run_order, how many it preempted, admitted sequences,
+    their tokens, their sample rows, the sampler variant they need)."""
     offs_d = tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S)
     waiting = md & (st == SLOT.WAITING)
-    go = (n_preempted == 0) & (m < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
-    # Nothing to admit (the common decode step): none of the slot-wide work below.
-    if go:
+    n_waiting = tl.sum(waiting.to(tl.int32), 0)
+    n_new = tl.full([], 0, tl.int32)
+    n_victims = tl.full([], 0, tl.int32)
+    ntot_adm = tl.full([], 0, tl.int32)
+    nsamp_adm = tl.full([], 0, tl.int32)
+    sampler_index = tl.full([], 0, tl.int32)
+    # Nothing waits, or the budget fill preempted (the common decode step): no slot-wide work below.
+    if (n_preempted == 0) & (n_waiting > 0):
         pri_d = tl.load(slots.priority + offs_d, mask=md, other=0)
-        arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
-        ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
-        adm_rank = tl.full([BLOCK_D], -1, tl.int32)
-        adm_n = tl.zeros([BLOCK_D], tl.int32)
-        adm_need = tl.zeros([BLOCK_D], tl.int32)
-        adm_off = tl.zeros([BLOCK_D], tl.int32)
-        adm_qs = tl.zeros([BLOCK_D], tl.int32)
-        adm_row = tl.full([BLOCK_D], -1, tl.int32)
-        n_new = tl.full([], 0, tl.int32)
-        popped = tl.full([], 0, tl.int32)
-        while go:
-            w_pri = tl.min(tl.where(waiting, pri_d, _INT32_MAX), 0)
-            w_cand = waiting & (pri_d == w_pri)
-            w_arr = tl.min(tl.where(w_cand, arr_d, _INT64_MAX), 0)
-            w_slot = tl.min(tl.where(w_cand & (arr_d == w_arr), offs_d, BLOCK_D), 0)
-            w_is = offs_d == w_slot
-            w_rem = tl.sum(tl.where(w_is, ntok_d, 0), 0)  # all its tokens: a waiting slot has none computed
-            w_n = tl.minimum(w_rem, budget)
-            w_need = (w_n + BS - 1) // BS
-            w_fits = w_need <= top - popped
-            w_take = w_is & w_fits
-            w_samples = w_fits & (w_n == w_rem)
-            adm_rank = tl.where(w_take, n_new, adm_rank)
-            adm_n = tl.where(w_take, w_n, adm_n)
-            adm_need = tl.where(w_take, w_need, adm_need)
-            adm_off = tl.where(w_take, popped, adm_off)
-            adm_qs = tl.where(w_take, ntot, adm_qs)
-            adm_row = tl.where(w_take & w_samples, nsamp, adm_row)
-            f = w_fits.to(tl.int32)
-            popped += w_need * f
-            budget -= w_n * f
-            ntot += w_n * f
-            nsamp += w_samples.to(tl.int32)
-            n_new += f
-            waiting = waiting & ~w_take
-            go = w_fits & (m + n_new < S) & (budget > 0) & (tl.sum(waiting.to(tl.int32), 0) > 0)
-        adm = adm_rank >= 0
-        pop_blocks(adm, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
-                   slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
-        top -= popped
-        tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.RUNNING, tl.int32), mask=adm)
-        tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
-        tl.store(slots.num_computed + offs_d, adm_n, mask=adm)
-        tl.store(slots.num_blocks + offs_d, adm_need, mask=adm)
-        next_run_order += n_new
-        bi_d = nseq + adm_rank
-        tl.store(step.step_slot + bi_d, offs_d, mask=adm)
-        tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
-        tl.store(step.query_start + bi_d, adm_qs, mask=adm)
-        tl.store(step.context_lens + bi_d, adm_n, mask=adm)
-        nseq += n_new
-        sampler_index = tl.maximum(sampler_index, _write_sample_rows(
-            adm_row >= 0, adm_row, offs_d, (adm_qs + adm_n - 1).to(tl.int64), slots, step,
-        ))  # fmt: skip
-    return top, next_run_order, nseq, ntot, nsamp, sampler_index
+        live = md & ((st == SLOT.WAITING) | (st == SLOT.RUNNING))
+        eff_d = _effective_priority(pri_d, live, waiting, clock, offs_d, slots, AGING)
+        last_class = _last_class(ms, pre_k, rp_k, offs_s)
+        w_best = tl.min(tl.where(waiting, eff_d, _INT64_MAX), 0)
+        go = ((m < S) & (budget > 0)) | (last_class > w_best)
+        if go:
+            arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
+            ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
+            adm_rank = tl.full([BLOCK_D], -1, tl.int32)
+            adm_n = tl.zeros([BLOCK_D], tl.int32)
+            adm_need = tl.zeros([BLOCK_D], tl.int32)
+            adm_off = tl.zeros([BLOCK_D], tl.int32)
+            adm_qs = tl.zeros([BLOCK_D], tl.int32)
+            adm_row = tl.full([BLOCK_D], -1, tl.int32)
+            adm_eff = tl.zeros([BLOCK_D], tl.int64)
+            victims_d = offs_d < 0  # slots this admission preempted (WAITING again, not readmitted now)
+            popped = tl.full([], 0, tl.int32)  # blocks of admissions not yet popped (pops are deferred)
+            n_flushed = tl.full([], 0, tl.int32)  # admissions whose blocks are popped
+            while go:
+                cand = waiting | victims_d
+                w_pri = tl.min(tl.where(cand, eff_d, _INT64_MAX), 0)
+                w_cand = cand & (eff_d == w_pri)
+                w_arr = tl.min(tl.where(w_cand, arr_d, _INT64_MAX), 0)
+                w_slot = tl.min(tl.where(w_cand & (arr_d == w_arr), offs_d, BLOCK_D), 0)
+                w_is = offs_d == w_slot
+                w_again = tl.sum((w_is & victims_d).to(tl.int32), 0) > 0
+                w_rem = tl.sum(
+                    tl.where(w_is, ntok_d, 0), 0
+                )  # all its tokens: a waiting slot has none computed
+                w_n = tl.minimum(w_rem, budget)
+                w_need = (w_n + BS - 1) // BS
+                room = (m - n_victims + n_new < S) & (budget > 0) & (w_need <= top - popped)
+                w_fits = room & ~w_again
+                evict = ~w_again & ~room & (_last_class(ms, pre_k, rp_k, offs_s) > w_pri)
+                w_take = w_is & w_fits
+                w_samples = w_fits & (w_n == w_rem)
+                adm_rank = tl.where(w_take, n_new, adm_rank)
+                adm_n = tl.where(w_take, w_n, adm_n)
+                adm_need = tl.where(w_take, w_need, adm_need)
+                adm_off = tl.where(w_take, popped, adm_off)
+                adm_qs = tl.where(w_take, ntot_adm, adm_qs)
+                adm_row = tl.where(w_take & w_samples, nsamp_adm, adm_row)
+                adm_eff = tl.where(w_take, w_pri, adm_eff)
+                f = w_fits.to(tl.int32)
+                popped += w_need * f
+                budget -= w_n * f
+                ntot_adm += w_n * f
+                nsamp_adm += w_samples.to(tl.int32)
+                n_new += f
+                waiting = waiting & ~w_take
+                go = evict | (w_fits & (tl.sum(waiting.to(tl.int32), 0) > 0))
+                if evict | ~go:  # the admissions' blocks come off the stack before a victim's go on it
+                    tl.debug_barrier()
+                    pend = adm_rank >= n_flushed
+                    pop_blocks(pend, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
+                               slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
+                    top -= popped
+                    popped -= popped
+                    n_flushed = n_new
+                if evict:
+                    v_k = tl.max(tl.where(ms & (pre_k == 0), offs_s, -1), 0)
+                    is_v = offs_s == v_k
+                    v_slot = tl.sum(tl.where(is_v, ks, 0), 0)
+                    tl.debug_barrier()  # the pops above (and the budget fill's) are done
+                    push_blocks(is_v, nb_k, tl.zeros([BLOCK_S], tl.int32) + top, ks,
+                                slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
+                    top += tl.sum(tl.where(is_v, nb_k, 0), 0)
+                    budget += tl.sum(tl.where(is_v, n_k, 0), 0)
+                    n_k = tl.where(is_v, 0, n_k)
+                    nb_k = tl.where(is_v, 0, nb_k)
+                    pre_k = tl.where(is_v, 1, pre_k)
+                    n_victims += 1
+                    victims_d = victims_d | (offs_d == v_slot)
+                    eff_d = tl.where(offs_d == v_slot, pri_d.to(tl.int64), eff_d)  # back at its base priority
+            adm = adm_rank >= 0
+            tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.RUNNING, tl.int32), mask=adm)
+            tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
+            tl.store(slots.run_priority + offs_d, adm_eff.to(tl.int32), mask=adm)
+            tl.store(slots.num_computed + offs_d, adm_n, mask=adm)
+            tl.store(slots.num_blocks + offs_d, adm_need, mask=adm)
+            next_run_order += n_new
+            # After the running ones that kept a chunk.
+            sched_k = ms & (n_k > 0)
+            nseq_run = tl.sum(sched_k.to(tl.int32), 0)
+            ntot_run = tl.sum(tl.where(sched_k, n_k, 0), 0)
+            nsamp_run = tl.sum((sched_k & (ncomp_k + n_k == ntok_k)).to(tl.int32), 0)
+            bi_d = nseq_run + adm_rank
+            tl.store(step.step_slot + bi_d, offs_d, mask=adm)
+            tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
+            tl.store(step.query_start + bi_d, ntot_run + adm_qs, mask=adm)
+            tl.store(step.context_lens + bi_d, adm_n, mask=adm)
+            sampler_index = _write_sample_rows(
+                adm_row >= 0, nsamp_run + adm_row, offs_d, (ntot_run + adm_qs + adm_n - 1).to(tl.int64),
+                slots, step,
+            )  # fmt: skip
+    return n_k, nb_k, pre_k, top, next_run_order, n_victims, n_new, ntot_adm, nsamp_adm, sampler_index
+
+
+@triton.jit
+def _effective_priority(pri_d, live, waiting, clock, offs_d, slots, AGING: tl.constexpr):
+    """Each waiting slot's priority now (int64): one better per AGING steps waited since wait_since,
+    never better than the most urgent base priority of the live slots; the base one without aging."""
+    eff = pri_d.to(tl.int64)
+    if AGING > 0:
+        since = tl.load(slots.wait_since + offs_d, mask=waiting, other=0)
+        floor = tl.min(tl.where(live, pri_d, _INT32_MAX), 0).to(tl.int64)
+        eff = tl.maximum(floor, eff - (clock - since) // AGING)
+    return eff
+
+
+@triton.jit
+def _last_class(ms, pre_k, rp_k, offs_s):
+    """The class (run_priority, int64) of the last running sequence in running order not preempted;
+    below every priority when there is none (nothing to preempt)."""
+    k = tl.max(tl.where(ms & (pre_k == 0), offs_s, -1), 0)
+    return tl.where(k >= 0, tl.sum(tl.where(offs_s == k, rp_k, 0), 0).to(tl.int64), -_INT64_MAX)
 
 
 @triton.jit

@@ -60,6 +60,7 @@ class RefStep:
     chunks: list[Chunk]
     batch: object  # ForwardBatch or None
     sampling: list[tuple[int, SamplingParams, int, int]]  # request id, params, seed, output index
+    preempted: list[int] = field(default_factory=list)  # request ids, in preemption order
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Stats:
     tokens: int = 0
     preemptions: int = 0
     admitted_while_running: int = 0
+    preempted_for_admission: int = 0  # steps whose admission preempted running sequences
     finishes: list[tuple[int, int, int]] = field(default_factory=list)  # (channel, finish code, error code)
 
     def last_finish(self, channel: int) -> tuple[int, int]:
@@ -117,6 +119,7 @@ class Twin:
         config = EngineConfig(
             block_size=loop.block_size, num_kv_blocks=loop.num_kv_blocks, max_num_seqs=loop.max_num_seqs,
             max_num_batched_tokens=loop.max_num_batched_tokens, max_model_len=loop.max_model_len, seed=7,
+            priority_aging_steps=loop.priority_aging_steps,
         )  # fmt: skip
         self.engine = LLMEngine(tiny_model(), config)
         self.server = EngineServer(self.engine, self.ref_transport, RING)
@@ -158,7 +161,7 @@ class Twin:
         sampling = [
             (c.seq.request_id, c.seq.params, c.seq.seed, c.seq.num_output_tokens) for c in out.sampling_chunks
         ]
-        return RefStep(chunks, batch, sampling)
+        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted])
 
     def _reference_iteration(self) -> tuple[RefStep, list[TokenEvent]]:
         """EngineServer.run's loop body (without the sleep and telemetry)."""
@@ -197,6 +200,9 @@ class Twin:
         self.stats.preemptions += self.engine.scheduler.num_preemptions - preemptions_before
         if running_before and any(c.start == 0 for c in ref.chunks[running_before:]):
             self.stats.admitted_while_running += 1
+        # A step that preempted admits only through preemption by a higher class (docs/engine.md).
+        if ref.preempted and any(c.start == 0 for c in ref.chunks):
+            self.stats.preempted_for_admission += 1
         return ref
 
     def launch(self) -> None:
@@ -274,9 +280,10 @@ class Twin:
             for i in range(self.loop.num_slots)
             if state[i] in (SlotState.WAITING, SlotState.RUNNING)
         }
-        run_order = s.run_order.tolist()
+        run_order, run_priority = s.run_order.tolist(), s.run_priority.tolist()
         running = sorted(
-            (i for i in slots.values() if state[i] == SlotState.RUNNING), key=lambda i: run_order[i]
+            (i for i in slots.values() if state[i] == SlotState.RUNNING),
+            key=lambda i: (run_priority[i], run_order[i]),
         )
         assert [rid[i] for i in running] == [q.request_id for q in sched.running], "running order"
         prio, arrival = s.priority.tolist(), s.arrival.tolist()
@@ -292,6 +299,10 @@ class Twin:
                 s.token_ids[i, : min(seq.num_tokens, self.loop.max_model_len)].tolist()
                 == seq.token_ids[: self.loop.max_model_len]
             )
+            if any(q is seq for q in sched.running):
+                assert int(s.run_priority[i]) == seq.run_priority, "class of a running sequence"
+            else:
+                assert int(s.wait_since[i]) == seq.wait_since, "when it entered the waiting queue"
             nb = int(s.num_blocks[i])
             assert s.block_table[i, :nb].tolist() == seq.block_table and (s.block_table[i, nb:] == -1).all()
             if self.check_slot_is_channel:
@@ -300,6 +311,7 @@ class Twin:
         assert s.free_blocks[:top].tolist() == self.engine.allocator._free, "free list (LIFO order included)"
         counters = s.counters.tolist()
         assert counters[COUNTER_INDEX["preemptions"]] == sched.num_preemptions
+        assert counters[COUNTER_INDEX["steps"]] == sched.clock, "aging's step clock"
         for name in ("requests_admitted", "requests_rejected", "requests_cancelled", "records_unaddressable"):
             assert counters[COUNTER_INDEX[name]] == self.server._counters[name], name
         for word in ("req_tail", "arena_tail"):

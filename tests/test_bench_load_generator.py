@@ -40,6 +40,12 @@ class ScriptedServer:
         self.auth.append(request.headers.get("Authorization"))
         if self.mode == "http_error":
             return web.json_response({"error": {"message": "the engine is busy", "code": "busy"}}, status=503)
+        if not body.get("stream", False):  # one JSON response, as OpenAI's non-streamed completion
+            n = body["max_tokens"]
+            return web.json_response({
+                "choices": [{"index": 0, "text": "t" * n, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 7, "completion_tokens": n},
+            })  # fmt: skip
         chat = request.path.endswith("chat/completions")
         n = body.get("max_completion_tokens" if chat else "max_tokens")
         self.inflight += 1
@@ -225,3 +231,17 @@ def test_top_p_is_sent_only_when_set():
     assert "top_p" not in request_body(LoadConfig(base_url="http://x", model="m"), req)
     body = request_body(LoadConfig(base_url="http://x", model="m", temperature=0.7, top_p=0.9), req)
     assert body["top_p"] == 0.9 and body["temperature"] == 0.7 and body["prompt"] == [5, 6, 7]
+
+
+async def test_a_non_streamed_request_counts_its_tokens_from_usage_and_sends_its_priority():
+    script = ScriptedServer()
+    server = await _serve(script)
+    try:
+        config = LoadConfig(base_url=str(server.make_url("/")), model="m", stream=False, priority=3)
+        run = await run_load(_requests(2, out=5), config)
+    finally:
+        await server.close()
+    assert all(r.ok and r.completion_tokens == 5 and r.finish_reason == "length" for r in run.records)
+    assert [b["priority"] for b in script.bodies] == [3, 3]
+    assert all(b["stream"] is False and "stream_options" not in b for b in script.bodies)
+    assert "priority" not in request_body(LoadConfig(base_url="http://x", model="m"), _requests(1)[0])

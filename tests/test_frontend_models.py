@@ -182,7 +182,8 @@ async def test_metrics_carry_each_models_label_in_one_registry(front_end: FrontE
         assert f'blink_prompt_tokens_total{{model_name="{name}"}} 2.0' in text
         assert f'blink_engine_alive{{model_name="{name}"}} 1.0' in text
         assert f'blink_kv_cache_usage_ratio{{model_name="{name}"}}' in text
-        assert f'blink_time_to_first_token_seconds_count{{model_name="{name}"}} 1.0' in text
+        # Issue 22: latencies also carry the request's priority class (the model default, 0, here).
+        assert f'blink_time_to_first_token_seconds_count{{model_name="{name}",priority="0"}} 1.0' in text
     # One family per metric however many models: a repeated TYPE line is invalid exposition text.
     types = [line for line in text.splitlines() if line.startswith("# TYPE")]
     assert len(types) == len(set(types))
@@ -260,7 +261,8 @@ def test_two_models_metrics_share_one_registry() -> None:
     assert 'blink_num_requests_running{model_name="beta"} 1.0' in text
     assert 'blink_kv_cache_usage_ratio{model_name="alpha"} 0.0' in text
     assert 'blink_prompt_tokens_total{model_name="beta"} 7.0' in text
-    assert 'blink_request_success_total{finished_reason="stop",model_name="beta"} 1.0' in text
-    assert 'blink_request_errors_total{cause="busy",model_name="alpha"} 1.0' in text
+    # Request counters carry the priority class too (issue 22); token counters stay per model.
+    assert 'blink_request_success_total{finished_reason="stop",model_name="beta",priority="0"} 1.0' in text
+    assert 'blink_request_errors_total{cause="busy",model_name="alpha",priority="0"} 1.0' in text
     with pytest.raises(ValueError, match="'alpha' already has metrics"):
         ServingMetrics("alpha", engine_telemetry=dict, engine_alive=lambda: True, registry=registry)

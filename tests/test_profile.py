@@ -64,7 +64,36 @@ def test_gpu_example_profile_is_the_loop_on_cuda():
         ({"model": {"max_output_tokens": 256}}, "max_output_tokens (256) must be < max_model_len (256)"),
         ({"frontend": {"transport": "rdma"}}, "frontend.transport: 'rdma': not built yet"),
         ({"frontend": {"port": 70000}}, "frontend.port"),
-        ({"frontend": {"api_keys": ["short"]}}, "frontend.api_keys: each key must be at least 8 characters"),
+        # The entry is named since keys may be tables (issue 22).
+        (
+            {"frontend": {"api_keys": ["short"]}},
+            "frontend.api_keys[0]: each key must be at least 8 characters",
+        ),
+        (
+            {"frontend": {"api_keys": ["secret-key-1", {"key": "secret-key-2", "priority": True}]}},
+            "frontend.api_keys[1].priority: Input should be a valid integer",
+        ),
+        (
+            {"frontend": {"api_keys": ["secret-key-1", {"key": "secret-key-2", "priority": 2**31}]}},
+            "frontend.api_keys[1].priority: Input should be less than or equal to 2147483647",
+        ),
+        (
+            {"frontend": {"api_keys": [{"key": "secret-key-2", "prio": 1}]}},
+            "frontend.api_keys[0].prio: unknown key",
+        ),
+        (
+            {"frontend": {"api_keys": [{"key": "short"}]}},
+            "frontend.api_keys[0].key: each key must be at least 8",
+        ),
+        ({"frontend": {"api_keys": [{"priority": 1}]}}, "frontend.api_keys[0].key: required key is missing"),
+        ({"frontend": {"api_keys": [7]}}, "frontend.api_keys[0]: expected a key string or a table"),
+        (
+            {"frontend": {"api_keys": ["secret-key-1", {"key": "secret-key-1", "priority": 3}]}},
+            "frontend.api_keys: [1] repeats the key of [0]",
+        ),
+        ({"model": {"priority": "3"}}, "models[0].priority: Input should be a valid integer"),
+        ({"model": {"priority": 1.0}}, "models[0].priority: Input should be a valid integer"),
+        ({"model": {"priority": -(2**31) - 1}}, "models[0].priority: Input should be greater than or equal"),
         ({"dpu": {"nic": "mlx5_0"}}, "dpu: the [dpu] section is not built yet"),
         ({"appliance": {"shm_name": "a/b"}}, "appliance.shm_name: must be 1-200 characters"),
     ],
@@ -189,7 +218,9 @@ def test_toml_round_trip(tmp_path):
     )
     p = load_profile(f)
     assert p.appliance.shm_name == "blink-test"
-    assert p.frontend.port == 0 and p.frontend.api_keys == ["secret-key-1"]
+    # A string entry is a key without a priority class (issue 22: entries may be tables).
+    assert p.frontend.port == 0 and p.frontend.bearer_keys == ["secret-key-1"]
+    assert p.frontend.api_keys[0].priority is None and p.models[0].priority == 0
     assert p.telemetry.enabled is False
 
 
@@ -300,3 +331,30 @@ def test_kv_fraction_on_cuda_needs_that_gpu():
     fixed = parse_profile(_profile(model={"device": "cuda:7"}))
     assert resolve_plan(fixed.model, cfg).num_kv_blocks > 0
     assert resolve_plan(p.model, cfg, available_bytes=1 << 30).num_kv_blocks > 0
+
+
+def test_api_keys_may_be_tables_with_a_priority_class_and_models_a_default(tmp_path: Path):
+    """Issue 22: `[frontend] api_keys` mixes strings and {key, priority} tables; `[[models]] priority`."""
+    f = tmp_path / "classes.toml"
+    f.write_text(
+        textwrap.dedent(
+            """
+            [[models]]
+            name = "tiny"
+            source = "dummy:tiny"
+            kv_budget_gib = 0.01
+            priority = 5
+            [frontend]
+            api_keys = ["plain-key-1", { key = "batch-key-1", priority = 10 }, { key = "live-key-1", priority = -1 }]
+            """
+        )
+    )
+    p = load_profile(f)
+    assert [(k.key, k.priority) for k in p.frontend.api_keys] == [
+        ("plain-key-1", None),
+        ("batch-key-1", 10),
+        ("live-key-1", -1),
+    ]
+    assert p.models[0].priority == 5
+    again = p.with_overrides(port=0)  # re-validated from model_dump(): the tables survive
+    assert again.frontend.api_keys == p.frontend.api_keys and again.models[0].priority == 5

@@ -211,3 +211,144 @@ def test_random_workloads_keep_every_invariant(prompts, num_blocks, max_seqs, ex
     assert s.allocator.num_used == 0
     for seq, max_out in seqs.values():
         assert seq.num_output_tokens == max_out or seq.num_tokens >= max_model_len
+
+
+# -- priority classes: running order, preemption by admission, aging (docs/engine.md) ----------------
+
+
+def running_ids(s: Scheduler) -> list[int]:
+    return [q.request_id for q in s.running]
+
+
+def test_prefill_budget_goes_to_the_higher_class_first_whatever_the_admission_order():
+    s = make(num_blocks=64, block_size=4, max_seqs=4, budget=16)
+    be, ls = make_seq(1, 40, priority=3), make_seq(2, 40, priority=0)
+    for q, order in ((be, 0), (ls, 1)):  # both prefilling; be admitted first
+        q.block_table = s.allocator.allocate(2)
+        q.num_computed_tokens = 8
+        q.status = SequenceStatus.RUNNING
+        q.run_priority, q.run_order = q.priority, order
+    s.running = sorted([be, ls], key=lambda q: q.run_key)
+    assert running_ids(s) == [2, 1]
+    out = s.schedule()
+    assert plan(out) == [(2, 8, 16)] and out.preempted == []  # be waits for budget, keeps its blocks
+
+
+def test_an_urgent_request_preempts_the_lowest_class_when_the_slots_are_full():
+    s = make(num_blocks=64, max_seqs=2, budget=32)
+    a, b = make_seq(1, 4, priority=3), make_seq(2, 4, priority=3)
+    s.add(a)
+    s.add(b)
+    commit(s.schedule())
+    urgent = make_seq(3, 4, priority=0)
+    s.add(urgent)
+    out = s.schedule()
+    # b (last of the lowest class) is preempted, its decode chunk taken back; urgent runs first.
+    assert out.preempted == [b] and b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert plan(out) == [(1, 4, 1), (3, 0, 4)]
+    assert running_ids(s) == [3, 1] and urgent.run_priority == 0
+    assert b.wait_since == s.clock - 1 and s.allocator.num_used == 3
+
+
+def test_no_preemption_within_a_class():
+    s = make(num_blocks=64, max_seqs=2, budget=32)
+    for rid in (1, 2, 3):
+        s.add(make_seq(rid, 4, priority=1))
+    for _ in range(3):
+        commit(s.schedule())
+    assert running_ids(s) == [1, 2] and [q.request_id for q in s.waiting] == [3]
+    assert s.num_preemptions == 0
+
+
+def test_an_urgent_request_preempts_when_the_budget_is_spent():
+    s = make(num_blocks=64, block_size=4, max_seqs=4, budget=8)
+    be = make_seq(1, 30, priority=3)
+    s.add(be)
+    commit(s.schedule())  # be: 8 of 30 computed
+    urgent = make_seq(2, 5, priority=0)
+    s.add(urgent)
+    out = s.schedule()  # be's next prefill chunk takes the whole budget: urgent takes it back
+    assert out.preempted == [be] and plan(out) == [(2, 0, 5)]
+    assert be.num_computed_tokens == 0 and be.block_table == []
+    commit(out)
+    out = s.schedule()  # then be is readmitted after urgent's decode, and recomputes from 0
+    assert plan(out) == [(2, 5, 1), (1, 0, 7)]
+
+
+def test_an_urgent_request_preempts_when_the_blocks_are_short():
+    s = make(num_blocks=6, block_size=4, max_seqs=4, budget=64)
+    a, b = make_seq(1, 8, priority=3), make_seq(2, 8, priority=2)  # 2 blocks each
+    s.add(a)
+    s.add(b)
+    commit(s.schedule())
+    urgent = make_seq(3, 12, priority=0)  # 3 blocks; 2 are free
+    s.add(urgent)
+    out = s.schedule()
+    # Victim: the last in running order, i.e. the lowest class (a, though admitted first); b stays.
+    assert out.preempted == [a]
+    assert plan(out) == [(2, 8, 1), (3, 0, 12)] and running_ids(s) == [3, 2]
+
+
+def test_victims_go_lowest_class_first_then_youngest_and_stop_at_the_waiting_class():
+    s = make(num_blocks=64, max_seqs=4, budget=64)
+    seqs = [make_seq(1, 4, 2), make_seq(2, 4, 1), make_seq(3, 4, 2), make_seq(4, 4, 1)]
+    for q in seqs:
+        s.add(q)
+    commit(s.schedule())
+    assert running_ids(s) == [2, 4, 1, 3]  # class, then admission ((priority, arrival) order)
+    first, second = make_seq(5, 4, 1), make_seq(6, 4, 0)
+    s.add(first)
+    s.add(second)
+    out = s.schedule()
+    # second (class 0) preempts 3, then first (class 1) preempts 1; they would not touch class 1.
+    assert [q.request_id for q in out.preempted] == [3, 1]
+    assert running_ids(s) == [6, 2, 4, 5]
+    assert plan(out) == [(2, 4, 1), (4, 4, 1), (6, 0, 4), (5, 0, 4)]
+
+
+def test_a_sequence_preempted_by_admission_is_not_readmitted_in_the_same_step():
+    s = make(num_blocks=64, block_size=4, max_seqs=1, budget=64)
+    be = make_seq(1, 4, priority=3)
+    s.add(be)
+    commit(s.schedule())
+    s.add(make_seq(2, 4, priority=0))
+    s.add(make_seq(3, 4, priority=3))
+    out = s.schedule()
+    assert out.preempted == [be] and plan(out) == [(2, 0, 4)]
+    assert [q.request_id for q in s.waiting] == [1, 3]
+
+
+def test_aging_promotes_a_starved_request_to_the_most_urgent_class_present():
+    def run(aging: int) -> list[int]:
+        s = Scheduler(SchedulerConfig(4, 1, 64, aging), BlockAllocator(64))
+        be = make_seq(100, 4, priority=4)
+        s.add(make_seq(1, 4, priority=0))
+        s.add(be)
+        admitted = []
+        for step in range(12):
+            s.add(make_seq(10 + step, 4, priority=0))  # a steady stream of class-0 requests
+            out = s.schedule()
+            admitted += [c.seq.request_id for c in out.chunks if c.start == 0]
+            commit(out)
+            for c in out.sampling_chunks:
+                if c.seq.num_output_tokens >= 1:
+                    s.finish(c.seq)
+        return admitted
+
+    assert 100 not in run(0), "without aging the class-4 request starves"
+    admitted = run(2)
+    # 8 steps waited = 4 levels, down to class 0 (the floor: the most urgent class present), where its
+    # earlier arrival puts it ahead of the class-0 requests still waiting; it preempted nobody.
+    assert admitted[:9] == [1, 10, 11, 12, 13, 14, 15, 16, 100]
+
+
+def test_aging_is_off_by_default_and_a_preempted_sequence_restarts_at_its_base_priority():
+    s = Scheduler(SchedulerConfig(4, 1, 64, 1), BlockAllocator(64))
+    low = make_seq(1, 4, priority=5)
+    s.add(make_seq(2, 4, priority=0))
+    s.add(low)
+    assert s.effective_priority(low, 0) == 5
+    commit(s.schedule())
+    commit(s.schedule())
+    assert s.effective_priority(low, 0) == 3 and s.effective_priority(low, 4) == 4
+    assert make().config.priority_aging_steps == 0

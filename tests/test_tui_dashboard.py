@@ -330,3 +330,49 @@ async def test_one_model_has_no_rows_above_its_panel(aiohttp_server, engines: En
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_until(pilot, lambda: app.snapshot is not None)
         assert not app.query_one(ModelsTable).display
+
+
+def record_class_stream(
+    source: TelemetrySource, model: str, priority: int, ttft_ms: float, gaps_ms: list[float]
+) -> None:
+    """A request of one priority class, recorded as the front end does: in the model's tracker
+    and in its class's (frontend/metrics.py RequestTimer)."""
+    record_stream(source, model, ttft_ms, gaps_ms)
+    tracker = source.class_latency(model, priority)
+    now = time.monotonic_ns()
+    first = now - int(sum(gaps_ms) * MS)
+    tracker.record_first_token(first - int(ttft_ms * MS), first)
+    prev = first
+    for gap in gaps_ms:
+        tracker.record_token(prev, prev + int(gap * MS))
+        prev += int(gap * MS)
+    tracker.record_request_done(first, prev, len(gaps_ms) + 1)
+
+
+async def test_priority_classes_side_by_side_once_a_second_class_is_seen(
+    aiohttp_server, source: TelemetrySource
+) -> None:
+    """Issue 22: one class, the panel as before; two, a row per class under the latencies."""
+    server = await aiohttp_server(make_app(source))
+    app = dashboard(str(server.make_url("")))
+    async with app.run_test(size=(100, 30)) as pilot:
+        classes = app.query_one("#classes", Static)
+        record_class_stream(source, "tiny", 0, ttft_ms=85.0, gaps_ms=[20.0] * 10)
+        await wait_until(pilot, lambda: app.snapshot is not None and app.snapshot.models[0].classes)
+        assert not classes.display and "priority classes" not in model_text(app)
+
+        record_class_stream(source, "tiny", 10, ttft_ms=400.0, gaps_ms=[50.0] * 10)
+        await wait_until(pilot, lambda: classes.display)
+        table = text_of(classes).splitlines()
+        assert table[0] == "priority classes (ms, 10 s)"
+        assert table[1].split() == ["prio", "TTFT", "p50", "p99", "TPOT", "p50", "p99", "tok/s"]
+        assert table[2].split()[:5] == ["0", "85.0", "85.0", "20.0", "20.0"]
+        assert table[3].split()[:5] == ["10", "400", "400", "50.0", "50.0"]
+        assert len(table) == 4
+
+        # The other model has seen one class: its panel has no table.
+        record_class_stream(source, "small", 5, ttft_ms=10.0, gaps_ms=[5.0] * 3)
+        await pilot.press("tab")
+        await wait_until(pilot, lambda: "model small" in model_text(app))
+        await wait_until(pilot, lambda: app.snapshot.models[1].classes != [])
+        assert not classes.display

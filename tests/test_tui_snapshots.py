@@ -6,6 +6,8 @@ TokenLatencyTracker fed a deterministic token schedule on a fake clock.
 Update after an intended layout change: pytest tests/test_tui_snapshots.py --snapshot-update
 (Last deliberate update, issue 21: the GPU snapshots serve two models, so they gained the row per
 model above the panels, and the second model's SM share reads "rest (32)".)
+Issue 22 added the two-class snapshots (a CPU model whose requests ran in priority classes 0 and
+10: the class table under TTFT); the single-class ones did not change.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from blink_appliance.tui.app import BlinkDashboard
 from textual.pilot import Pilot
 
 from blink_appliance.telemetry import (
+    ClassLatency,
     EngineCounters,
     GpuStats,
     HostStats,
+    LatencyStats,
     ModelTelemetry,
     ProcessStats,
     SmShare,
@@ -169,6 +173,17 @@ def cpu_snapshot() -> TelemetrySnapshot:
     )
 
 
+def two_class_snapshot() -> TelemetrySnapshot:
+    """The CPU snapshot with requests in two priority classes (the latter slower)."""
+    snap = cpu_snapshot()
+    classes = [
+        ClassLatency.of(0, LatencyStats.model_validate(latency_stats(5))),
+        ClassLatency.of(10, LatencyStats.model_validate(latency_stats(23))),
+    ]
+    model = snap.models[0].model_copy(update={"classes": classes})
+    return snap.model_copy(update={"models": [model]})
+
+
 class FrozenSource(TelemetrySource):
     """Serves one fixed snapshot through the real routes and sampling task."""
 
@@ -258,3 +273,17 @@ def test_keys_80x24(snap_compare, cpu_url: str) -> None:
 
 def test_cpu_no_nvml_200x60(snap_compare, cpu_url: str) -> None:
     assert snap_compare(BlinkDashboard(cpu_url), terminal_size=(200, 60), run_before=until_live)
+
+
+@pytest.fixture
+def two_class_url() -> Iterator[str]:
+    with serve_in_thread(FrozenSource(two_class_snapshot())) as url:
+        yield url
+
+
+def test_cpu_two_classes_80x24(snap_compare, two_class_url: str) -> None:
+    assert snap_compare(BlinkDashboard(two_class_url), terminal_size=(80, 24), run_before=until_live)
+
+
+def test_cpu_two_classes_200x60(snap_compare, two_class_url: str) -> None:
+    assert snap_compare(BlinkDashboard(two_class_url), terminal_size=(200, 60), run_before=until_live)

@@ -11,7 +11,14 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from blink_appliance.telemetry.snapshot import EngineCounters, GpuStats, HostStats, ModelTelemetry, SmShare
+from blink_appliance.telemetry.snapshot import (
+    ClassLatency,
+    EngineCounters,
+    GpuStats,
+    HostStats,
+    ModelTelemetry,
+    SmShare,
+)
 
 LEVELS = "▁▂▃▄▅▆▇█"
 
@@ -172,6 +179,7 @@ class ModelPanel(Vertical):
         yield Sparkline([], id="itl-spark")
         yield Static(id="tpot")
         yield Static(id="ttft")
+        yield Static(id="classes")  # shown only once a second priority class has been seen
         yield Static(id="rate")
         yield Sparkline([], id="rate-spark")
         yield Static(id="batch")
@@ -225,6 +233,9 @@ class ModelPanel(Vertical):
         self.query_one("#ttft", Static).update(
             _line(_label("TTFT p50 "), fmt.ms(lat.ttft_p50_ms), _label("  p99 "), fmt.ms(lat.ttft_p99_ms))
         )
+        classes = self.query_one("#classes", Static)
+        classes.display = len(m.classes) > 1
+        classes.update(classes_text(m.classes, lat.window_s) if classes.display else "")
         self.query_one("#rate", Static).update(
             _line(
                 _label("tokens/s "),
@@ -264,6 +275,34 @@ class ModelPanel(Vertical):
                 _label("/token"),
             ]
         self.query_one("#gpu-share", Static).update(_line(*share))
+
+
+def _class_ms(value: float | None) -> str:
+    """A latency in ms without its unit (the table's header says ms)."""
+    if value is None:
+        return fmt.NONE_YET
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def classes_text(classes: list[ClassLatency], window_s: float) -> Text:
+    """The model's priority classes side by side, one row each (lowest number, first to run, on
+    top): TTFT and TPOT P50/P99 in ms and tokens/s over the window."""
+    header = ["prio", "TTFT p50", "p99", "TPOT p50", "p99", "tok/s"]
+    rows = [
+        [c.label, _class_ms(c.ttft_p50_ms), _class_ms(c.ttft_p99_ms), _class_ms(c.tpot_p50_ms),
+         _class_ms(c.tpot_p99_ms), fmt.rate(c.tokens_per_s)]
+        for c in classes
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def cells(row: list[str]) -> str:
+        return " ".join(
+            [row[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
+        )
+
+    lines = [_line(_label(f"priority classes (ms, {window_s:.0f} s)")), _line(_label(cells(header)))]
+    lines += [_line(cells(row)) for row in rows]
+    return _lines(lines)
 
 
 class GpuPanel(Static):

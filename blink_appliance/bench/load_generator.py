@@ -43,6 +43,8 @@ class LoadConfig:
     temperature: float = 0.0
     top_p: float | None = None  # None: not sent (the server's default, 1.0 in the OpenAI API)
     request_timeout_s: float = 600.0
+    priority: int | None = None  # vLLM's extension, lower runs first; None: not sent
+    stream: bool = True  # False: one JSON response (no per-token times; tokens from usage)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -133,9 +135,10 @@ def request_body(config: LoadConfig, req: BenchRequest) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": config.model,
         "temperature": config.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": config.stream,
     }
+    if config.stream:
+        body["stream_options"] = {"include_usage": True}
     if config.is_chat:
         if req.is_token_ids:
             raise ValueError("token-id prompts (--dataset random) need --endpoint /v1/completions")
@@ -148,6 +151,8 @@ def request_body(config: LoadConfig, req: BenchRequest) -> dict[str, Any]:
         body["top_p"] = config.top_p
     if config.ignore_eos:
         body["ignore_eos"] = True  # a vLLM-style extension: output lengths exactly as asked
+    if config.priority is not None:
+        body["priority"] = config.priority
     return body
 
 
@@ -172,6 +177,23 @@ def _chunk_text(chunk: dict[str, Any], is_chat: bool) -> tuple[str, str | None]:
     return text, choice.get("finish_reason")
 
 
+def _whole_response(record: RequestRecord, body: Any, now: float) -> RequestRecord:
+    """A non-streamed response: its usage gives the token counts; it has no per-token times."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not choices:
+        record.error = f"unexpected response: {str(body)[:100]}"
+        return record
+    record.finish_reason = choices[0].get("finish_reason")
+    usage = body.get("usage") or {}
+    record.usage_reported = bool(usage)
+    record.prompt_tokens, record.completion_tokens = (
+        usage.get("prompt_tokens"),
+        usage.get("completion_tokens"),
+    )
+    record.end_s, record.ok = now, True
+    return record
+
+
 async def send_one(
     session: Any, config: LoadConfig, req: BenchRequest, record: RequestRecord, t0: float
 ) -> RequestRecord:
@@ -188,6 +210,8 @@ async def send_one(
             if resp.status != 200:
                 record.error = _error_text(resp.status, await resp.text())
                 return record
+            if not config.stream:
+                return _whole_response(record, await resp.json(), clock() - t0)
             async for raw in resp.content:
                 now = clock() - t0
                 line = raw.strip()

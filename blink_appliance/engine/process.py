@@ -96,6 +96,7 @@ def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None
             max_num_batched_tokens=plan.max_num_batched_tokens,
             max_model_len=plan.max_model_len,
             eos_token_ids=tuple(model.config.eos_token_ids),
+            priority_aging_steps=profile.engine.priority_aging_steps,
         ),
     )
     transport = ShmTransport.open(region_name(profile, index))

@@ -11,6 +11,7 @@ from blink_appliance.telemetry.latency import TokenLatencyTracker
 from blink_appliance.telemetry.sched_probe import SchedLatencyProbe
 from blink_appliance.telemetry.sm_share import sm_shares
 from blink_appliance.telemetry.snapshot import (
+    ClassLatency,
     EngineCounters,
     GpuStats,
     HostStats,
@@ -23,6 +24,7 @@ from blink_appliance.telemetry.snapshot import (
 from blink_appliance.telemetry.source import TelemetrySource
 
 __all__ = [
+    "ClassLatency",
     "EngineCounters",
     "GpuSampler",
     "GpuStats",

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 from blink_appliance.telemetry.snapshot import LatencyStats
 
+# Priority classes followed apart per model (the /metrics label and the telemetry); requests of any
+# further class are counted together ("other" in /metrics, priority null in the snapshot).
+MAX_PRIORITY_CLASSES = 16
+
 _NS_PER_MS = 1_000_000
 _NS_PER_S = 1_000_000_000
 

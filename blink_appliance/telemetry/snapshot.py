@@ -65,6 +65,31 @@ class LatencyStats(BaseModel):
     tokens_per_s_history: list[float] = Field(default_factory=list)
 
 
+class ClassLatency(BaseModel):
+    """Token latencies of one priority class of one model (the effective priority its requests ran
+    at), over the same window as the model's LatencyStats. `priority` None: the classes past the
+    first MAX_PRIORITY_CLASSES of the model, together."""
+
+    priority: int | None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    tokens_per_s: float = 0.0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, priority: int | None, stats: LatencyStats) -> ClassLatency:
+        return cls(priority=priority, **stats.model_dump(include=_CLASS_FIELDS))
+
+    @property
+    def label(self) -> str:
+        return "other" if self.priority is None else str(self.priority)
+
+
+_CLASS_FIELDS = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tokens_per_s", "total_tokens"}
+
+
 class SmShare(BaseModel):
     """The part of its GPU a model's engine gets by the profile (`[[models]] sm_count`).
 
@@ -89,6 +114,9 @@ class ModelTelemetry(BaseModel):
     latency: LatencyStats
     # The profile's SM share; None on a CPU engine, or from a front end that does not say.
     sm_share: SmShare | None = None
+    # One entry per priority class seen since the front end started, lowest number (first to run)
+    # first; empty from a front end that does not track classes.
+    classes: list[ClassLatency] = Field(default_factory=list)
 
 
 class ProcessStats(BaseModel):

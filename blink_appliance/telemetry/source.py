@@ -21,8 +21,9 @@ from typing import Any
 
 from blink_appliance.telemetry.gpu import GpuSampler
 from blink_appliance.telemetry.host import HostSampler
-from blink_appliance.telemetry.latency import TokenLatencyTracker
+from blink_appliance.telemetry.latency import MAX_PRIORITY_CLASSES, TokenLatencyTracker
 from blink_appliance.telemetry.snapshot import (
+    ClassLatency,
     EngineCounters,
     GpuStats,
     HostStats,
@@ -64,6 +65,8 @@ class TelemetrySource:
         self._energy_window_s = energy_window_s
         self._tracker_factory = tracker_factory
         self._trackers: dict[str, TokenLatencyTracker] = {}
+        # Per model, per priority class (None: the classes past MAX_PRIORITY_CLASSES, together).
+        self._class_trackers: dict[str, dict[int | None, TokenLatencyTracker]] = {}
         for name in models:
             self.latency(name)
         self._started_at = time.monotonic()
@@ -81,6 +84,25 @@ class TelemetrySource:
         if tracker is None:
             tracker = self._trackers[model] = self._tracker_factory()
         return tracker
+
+    def class_latency(self, model: str, priority: int | None) -> TokenLatencyTracker:
+        """The latency tracker of one priority class of `model` (created on first use). A model's
+        first MAX_PRIORITY_CLASSES classes get one each; later ones, and None, share one."""
+        self.latency(model)
+        classes = self._class_trackers.setdefault(model, {})
+        tracker = classes.get(priority)
+        if tracker is None:
+            own = sum(p is not None for p in classes)
+            key = priority if priority is not None and own < MAX_PRIORITY_CLASSES else None
+            tracker = classes.get(key)
+            if tracker is None:
+                tracker = classes[key] = self._tracker_factory()
+        return tracker
+
+    def _classes(self, model: str) -> list[ClassLatency]:
+        classes = self._class_trackers.get(model, {})
+        order = sorted(classes, key=lambda p: (p is None, p or 0))
+        return [ClassLatency.of(p, classes[p].stats()) for p in order]
 
     @property
     def latest(self) -> TelemetrySnapshot | None:
@@ -178,6 +200,7 @@ class TelemetrySource:
                 engine_error=engine_error if name not in engines else None,
                 latency=self.latency(name).stats(),
                 sm_share=self._sm_shares.get(name),
+                classes=self._classes(name),
             )
             for name in names
         ]

@@ -29,6 +29,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         max_stop_ids=ring_geometry(profile, index).max_stop_ids,
         vocab_size=config.vocab_size,
         eos_token_ids=eos,
+        priority_aging_steps=profile.engine.priority_aging_steps,
     )
     try:
         geometry.validate()  # parse_profile and resolve_plan checked each rule already, naming keys

@@ -29,7 +29,8 @@ RANK_TILE = 32  # running sequences compared per tile when they are put in run o
 
 # The DeviceState and StepInputs tensors schedule_kernel takes, each as `<name>_ptr`.
 _STATE_TENSORS = (
-    "slot_state", "chan", "generation", "request_id", "priority", "arrival", "run_order", "prompt_len",
+    "slot_state", "chan", "generation", "request_id", "priority", "arrival", "run_order", "run_priority",
+    "wait_since", "prompt_len",
     "num_tokens", "num_computed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
     "error_code", "free_blocks", "free_top", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
@@ -98,6 +99,7 @@ class DeviceScheduler:
             D=g.num_slots, S=g.max_num_seqs, MAX_BATCHED=g.max_num_batched_tokens,
             NUM_BUCKETS=len(g.buckets), BS=g.block_size, MAXB=g.max_blocks_per_seq,
             MAX_MODEL_LEN=g.max_model_len, VOCAB=g.vocab_size, NUM_COUNTERS=len(COUNTERS),
+            AGING=g.priority_aging_steps,
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
             OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,

@@ -62,6 +62,7 @@ class LoopGeometry:
     max_stop_ids: int  # = RingGeometry.max_stop_ids
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # at most MAX_EOS_IDS
+    priority_aging_steps: int = 0  # a waiting slot gains one priority level per this many steps; 0: off
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -82,6 +83,8 @@ class LoopGeometry:
             raise ValueError("num_slots must be >= max_num_seqs")
         if self.num_kv_blocks < self.max_blocks_per_seq:
             raise ValueError("num_kv_blocks cannot hold one sequence of max_model_len")
+        if self.priority_aging_steps < 0:
+            raise ValueError("priority_aging_steps must be >= 0")
         if len(self.eos_token_ids) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} eos token ids")
 
@@ -97,7 +100,10 @@ class DeviceState:
     request_id: torch.Tensor  # int64
     priority: torch.Tensor  # lower runs first
     arrival: torch.Tensor  # int64: admission counter, FCFS within a priority class
-    run_order: torch.Tensor  # int64: when it last became RUNNING; the latest is the next preemption victim
+    run_order: torch.Tensor  # int64: when it last became RUNNING (admission counter)
+    run_priority: torch.Tensor  # its effective priority when last admitted: its class while RUNNING;
+    #                             running order is (run_priority, run_order), the last is the next victim
+    wait_since: torch.Tensor  # int64: the step clock (counters' `steps`) when it last became WAITING
     prompt_len: torch.Tensor
     num_tokens: torch.Tensor  # prompt + generated
     num_computed: torch.Tensor  # tokens whose K/V are in the cache after this step (0 while WAITING);
@@ -167,7 +173,8 @@ class DeviceState:
 
         return cls(
             slot_state=i32(D), chan=i32(D, fill=-1), generation=i64(D), request_id=i64(D),
-            priority=i32(D), arrival=i64(D), run_order=i64(D), prompt_len=i32(D), num_tokens=i32(D), num_computed=i32(D),
+            priority=i32(D), arrival=i64(D), run_order=i64(D),
+            run_priority=i32(D), wait_since=i64(D), prompt_len=i32(D), num_tokens=i32(D), num_computed=i32(D),
             max_tokens=i32(D), temperature=f32(D), top_p=f32(D, fill=1.0), top_k=i32(D), min_p=f32(D),
             seed=i64(D), ignore_eos=i32(D), n_stop=i32(D), stop_ids=i32(D, g.max_stop_ids, fill=-1),
             token_ids=i32(D, g.max_model_len), block_table=i32(D, g.max_blocks_per_seq, fill=-1),
@@ -193,7 +200,7 @@ class DeviceState:
         """What is wrong with the loop's bookkeeping, read back to the host (a sync): the free stack
         [0, free_top) and the tables of the slots holding blocks must hold every block id exactly
         once, a FREE or WAITING slot holds none, and RUNNING slots have distinct run orders (the
-        schedule ranks them by it). Empty when consistent; for tests and stress checks between
+        schedule ranks them by (run_priority, run_order)). Empty when consistent; for tests and stress checks between
         iterations, never on the token path."""
         n = self.free_blocks.numel()
         top = int(self.free_top[0])

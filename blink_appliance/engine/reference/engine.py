@@ -32,6 +32,7 @@ class EngineConfig:
     max_model_len: int = 1024
     eos_token_ids: tuple[int, ...] | None = None  # None: the model config's
     seed: int | None = None  # draws the seeds of requests that bring none; None: from the OS
+    priority_aging_steps: int = 0  # a waiting request gains one priority level per this many steps; 0: off
 
     def validate(self) -> None:
         for name in (
@@ -43,6 +44,10 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.priority_aging_steps < 0:
+            raise ValueError(
+                f"EngineConfig.priority_aging_steps must be >= 0, got {self.priority_aging_steps}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -85,7 +90,12 @@ class LLMEngine:
         )
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
+            SchedulerConfig(
+                config.block_size,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.priority_aging_steps,
+            ),
             self.allocator,
         )
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)

@@ -1,17 +1,23 @@
-"""Continuous batching with a token budget per step, chunked prefill and preemption by recompute.
+"""Continuous batching with a token budget per step, chunked prefill, priority classes and
+preemption by recompute.
 
 One call to `schedule()` decides one model step (docs/engine.md has the full state machine):
 
-1. Running sequences, oldest admission first. One with a single uncomputed token (decoding) gets
-   that token. One still prefilling gets a chunk of what the budget has left after reserving one
-   token for every decoding sequence not yet visited, so decodes never starve behind a long prompt.
-2. Every scheduled chunk gets the KV blocks it writes into. When the free list is short, the most
-   recently admitted running sequence is preempted (blocks freed, computed count reset to 0, back
-   into the waiting queue with its generated tokens kept, to be recomputed), until the chunk fits or
-   the sequence being scheduled is itself the victim.
-3. If nothing was preempted this step, waiting sequences are admitted in (priority, arrival) order
-   while there are free sequence slots, budget and blocks; the first one that does not fit stops
-   admission (no skipping, so FCFS holds within a priority class).
+1. Running sequences in running order: (class, admission), the class being the effective priority a
+   sequence was admitted with. One with a single uncomputed token (decoding) gets that token. One
+   still prefilling gets a chunk of what the budget has left after reserving one token for every
+   decoding sequence not yet visited, so decodes never starve behind a long prompt.
+2. Every scheduled chunk gets the KV blocks it writes into. When the free list is short, the running
+   sequence last in running order (lowest class, most recently admitted) is preempted (blocks freed,
+   computed count reset to 0, back into the waiting queue with its generated tokens kept, to be
+   recomputed), until the chunk fits or the sequence being scheduled is itself the victim.
+3. If nothing was preempted in 1-2, waiting sequences are admitted in (effective priority, arrival)
+   order. When the head does not fit (no sequence slot, no budget, too few blocks) and the last
+   running sequence is of a strictly lower class, that one is preempted (its chunk of this step
+   taken back) and the head tried again. Admission stops at the first head that still does not
+   fit, or that this step's admission preempted (no skipping, so FCFS holds within a class).
+4. Aging (`priority_aging_steps` > 0): a waiting sequence's effective priority improves by one per
+   that many steps waited, never past the most urgent base priority among live sequences.
 
 A sequence samples in this step exactly when its chunk ends at its last token.
 """
@@ -33,6 +39,7 @@ class SchedulerConfig:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    priority_aging_steps: int = 0  # 0: no aging
 
 
 @dataclass
@@ -68,26 +75,37 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
         self.config = config
         self.allocator = allocator
-        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
-        self.running: list[Sequence] = []  # in admission order; the last one is the next victim
+        self.waiting: list[Sequence] = []  # sorted by base (priority, arrival)
+        self.running: list[Sequence] = []  # in running order (Sequence.run_key); the last is the next victim
         self.num_preemptions = 0
+        self.clock = 0  # steps scheduled so far (schedule() calls that produced chunks): aging's clock
+        self._next_run_order = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.wait_since = self.clock
         bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
+
+    def effective_priority(self, seq: Sequence, floor: int) -> int:
+        """A waiting sequence's priority now: one better per `priority_aging_steps` steps waited since
+        it last entered the queue, never better than `floor` (the most urgent live base priority)."""
+        every = self.config.priority_aging_steps
+        if every == 0:
+            return seq.priority
+        return max(floor, seq.priority - (self.clock - seq.wait_since) // every)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
 
-        # 1 + 2: running sequences, oldest admission first.
+        # 1 + 2: running sequences in running order.
         reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         i = 0
         while i < len(self.running):
@@ -117,20 +135,49 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 3: admit waiting sequences (not in a step that had to preempt: that would thrash).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            need = self.blocks_for(n)
-            if not self.allocator.can_allocate(need):
+        # 3: admit waiting sequences (not in a step that had to preempt for blocks: that would thrash).
+        if not preempted and self.waiting:
+            self._admit(chunks, preempted, budget)
+        if chunks:
+            self.clock += 1
+        return SchedulerOutput(chunks, preempted)
+
+    def _admit(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> None:
+        """Phase 3: the head of the (effective priority, arrival) order while it fits, preempting
+        running sequences of a strictly lower class (last in running order first) to make it fit."""
+        floor = min(s.priority for s in self.running + self.waiting)
+        while self.waiting:
+            seq = min(self.waiting, key=lambda s: (self.effective_priority(s, floor), s.arrival))
+            if any(seq is v for v in preempted):
+                break  # preempted by this admission: not readmitted (recomputed) in the same step
+            priority = self.effective_priority(seq, floor)
+            while not self._fits(seq, budget) and self.running and self.running[-1].run_priority > priority:
+                victim = self.running[-1]
+                for k, c in enumerate(chunks):
+                    if c.seq is victim:  # its chunk of this step is taken back
+                        budget += c.num_tokens
+                        del chunks[k]
+                        break
+                self.preempt(victim)
+                preempted.append(victim)
+            if not self._fits(seq, budget):
                 break
-            self.waiting.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            seq.block_table = self.allocator.allocate(need)
-            self.running.append(seq)
+            seq.block_table = self.allocator.allocate(self.blocks_for(n))
+            seq.run_priority = priority
+            seq.run_order = self._next_run_order
+            self._next_run_order += 1
+            bisect.insort(self.running, seq, key=lambda s: s.run_key)
             chunks.append(ScheduledChunk(seq, 0, n))
             budget -= n
-        return SchedulerOutput(chunks, preempted)
+
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        """A free sequence slot, budget left, and the blocks of its first chunk on the free list."""
+        if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+            return False
+        return self.allocator.can_allocate(self.blocks_for(min(seq.num_uncomputed_tokens, budget)))
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's KV, requeue it with all its tokens to feed again."""

@@ -36,6 +36,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    wait_since: int = 0  # the scheduler's step clock when it last entered the waiting queue (aging)
+    run_priority: int = 0  # its effective priority when last admitted: its class while RUNNING
+    run_order: int = 0  # admission counter: order within a class while RUNNING
 
     @property
     def num_tokens(self) -> int:
@@ -56,3 +59,8 @@ class Sequence:
     @property
     def queue_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
+
+    @property
+    def run_key(self) -> tuple[int, int]:
+        """Running order: class, then admission; the last one is the next preemption victim."""
+        return (self.run_priority, self.run_order)

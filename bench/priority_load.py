@@ -1,0 +1,171 @@
+"""Latency-sensitive requests beside a best-effort load that fills the GPU (issue 22: priority classes).
+
+On the GPU (one command; `dummy:llama-3.2-1b` bf16 at the shipped geometry):
+    python3 -m pip install -q --no-deps .whl/*.whl && python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/priority_load.py --out $OUT/priority_load.json
+CPU smoke check of the script itself (reference engine, dummy:tiny; timings meaningless):
+    .venv/bin/python bench/priority_load.py --device cpu --geometry 512/16/8/64 --be-concurrency 8 --be-output-len 64 --ls-output-len 8 --seconds 4 --out /tmp/priority.json
+
+One `blink-appliance up`. Latency-sensitive (LS) requests arrive by Poisson (--ls-rate per second for
+--seconds; streamed, --ls-output-len tokens) with priority 0, in four phases:
+  - "ls_alone": nothing else runs;
+  - "priority": best-effort (BE) load runs meanwhile, --be-concurrency closed-loop clients of
+    --be-output-len-token generations, not streamed (so the one front end stays off the critical path), priority 1;
+  - "fcfs": the same BE load in the LS class (priority 0): one class, first come first served;
+  - "be_alone": the BE load alone, for its throughput.
+Per phase: LS TTFT and TPOT P50/P99, and the BE tokens per second (the engine's generated-token
+counter over the phase, less the LS tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import shlex
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.http_sweep import MODEL_NAME, Geometry, appliance_server, model_defaults, ms, request_tpot_s  # noqa: E402
+from blink_appliance.bench.datasets import BenchRequest  # noqa: E402
+from blink_appliance.bench.load_generator import (  # noqa: E402
+    LoadConfig,
+    RequestRecord,  # noqa: E402
+    run_load,
+    send_one,
+)
+
+
+def say(message: str) -> None:
+    print(f"[priority_load] {message}", file=sys.stderr, flush=True)
+
+
+def generated_tokens(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/telemetry", timeout=10) as r:
+        snapshot = json.loads(r.read())
+    engine = next(m["engine"] for m in snapshot["models"] if m["name"] == MODEL_NAME)
+    return int(engine["generated_tokens"])
+
+
+def prompt(args: argparse.Namespace, rng: random.Random, output_len: int) -> BenchRequest:
+    return BenchRequest(
+        [rng.randrange(3, args.vocab) for _ in range(args.input_len)], args.input_len, output_len
+    )
+
+
+async def ls_phase(url: str, args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """Poisson LS arrivals for --seconds: TTFT / TPOT percentiles, and the LS tokens made."""
+    rng = random.Random(args.seed)
+    n = max(1, int(args.ls_rate * args.seconds))
+    config = LoadConfig(
+        base_url=url, model=MODEL_NAME, request_rate=args.ls_rate, seed=args.seed, priority=0,
+        request_timeout_s=args.seconds + 120,
+    )  # fmt: skip
+    run = await run_load([prompt(args, rng, args.ls_output_len) for _ in range(n)], config)
+    done = [r for r in run.records if r.ok]
+    tpots = [t for r in done if (t := request_tpot_s(r)) is not None]
+    ttfts = [t for r in done if (t := r.ttft_s) is not None]
+    out = {
+        "requests": n, "completed": len(done), "failed": n - len(done),
+        "ttft_p50_ms": ms(ttfts, 50), "ttft_p99_ms": ms(ttfts, 99),
+        "tpot_p50_ms": ms(tpots, 50), "tpot_p99_ms": ms(tpots, 99),
+    }  # fmt: skip
+    return out, sum(r.output_tokens for r in done)
+
+
+async def be_load(url: str, args: argparse.Namespace, priority: int, stop: asyncio.Event) -> dict[str, Any]:
+    """--be-concurrency clients, each sending its next BE generation as the last one ends, until
+    `stop` (those in flight are then cancelled: the client disconnects)."""
+    import aiohttp
+
+    config = LoadConfig(
+        base_url=url, model=MODEL_NAME, stream=False, priority=priority, request_timeout_s=3600,
+    )  # fmt: skip
+    counts = {"completed": 0, "failed": 0}
+
+    async def client(k: int, session: aiohttp.ClientSession) -> None:
+        rng, t0 = random.Random(1000 + k), time.perf_counter()
+        while not stop.is_set():
+            record = RequestRecord(0, args.be_output_len, args.input_len)
+            await send_one(session, config, prompt(args, rng, args.be_output_len), record, t0)
+            counts["completed" if record.ok else "failed"] += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(client(k, session)) for k in range(args.be_concurrency)]
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return counts
+
+
+async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    be_priority = {"priority": 1, "fcfs": 0, "be_alone": 1}.get(name)
+    stop = asyncio.Event()
+    be = asyncio.create_task(be_load(url, args, be_priority, stop)) if be_priority is not None else None
+    if be is not None:
+        await asyncio.sleep(args.be_warmup_s)  # the BE clients fill the running batch first
+    tokens0, t0 = await asyncio.to_thread(generated_tokens, url), time.monotonic()
+    if name == "be_alone":
+        await asyncio.sleep(args.seconds)
+        result, ls_tokens = {}, 0
+    else:
+        result, ls_tokens = await ls_phase(url, args)
+    tokens1, seconds = await asyncio.to_thread(generated_tokens, url), time.monotonic() - t0
+    stop.set()
+    if be is not None:
+        result["be"] = await be
+        result["be_tokens_per_s"] = round((tokens1 - tokens0 - ls_tokens) / seconds, 1)
+    result["seconds"] = round(seconds, 2)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--geometry", default="8192/1024/256/2048", help="mml/slots/seqs/budget")
+    ap.add_argument("--phases", nargs="+", default=["ls_alone", "priority", "fcfs", "be_alone"])
+    ap.add_argument("--ls-rate", type=float, default=4.0, help="LS requests per second (Poisson)")
+    ap.add_argument("--ls-output-len", type=int, default=128)
+    ap.add_argument("--be-concurrency", type=int, default=256)
+    ap.add_argument("--be-output-len", type=int, default=2048)
+    ap.add_argument("--be-warmup-s", type=float, default=8.0)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = model_defaults(ap.parse_args())
+    geo = Geometry.parse(args.geometry)
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "phases": {},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    server, report["profile"] = appliance_server(geo, args, args.out.parent / f"{args.out.stem}.log")
+    try:
+        server.start(args.startup_timeout)
+        report["startup_s"] = round(server.ready_after_s or 0.0, 1)
+        for name in args.phases:
+            report["phases"][name] = result = asyncio.run(phase(server.url, name, args))
+            say(f"{name}: {json.dumps(result)}")
+            args.out.write_text(json.dumps(report, indent=1))
+            server.wait_idle(60.0)  # the cancelled BE requests leave before the next phase
+    finally:
+        report["exit_code"] = server.stop(20.0)
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
