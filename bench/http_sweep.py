@@ -110,6 +110,7 @@ def profile_text(geo: Geometry, args: argparse.Namespace, shm_name: str) -> str:
     ]
     if not cpu:  # the reference engine refuses loop-only keys
         lines.append(f"num_slots = {geo.num_slots}")
+    lines += getattr(args, "engine_lines", [])  # a bench's own [engine] settings
     lines += ["\n[frontend]", 'host = "127.0.0.1"\nport = 0', f"max_inflight = {geo.num_slots}"]
     return "\n".join(lines + ["\n[telemetry]", "enabled = true"]) + "\n"
 

@@ -142,9 +142,15 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--lower-class-limit", type=int, default=0, help="[engine] lower_class_limit (0: off)")
+    ap.add_argument("--aging-steps", type=int, default=0, help="[engine] priority_aging_steps (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     args = model_defaults(ap.parse_args())
+    args.engine_lines = [
+        f"lower_class_limit = {args.lower_class_limit}",
+        f"priority_aging_steps = {args.aging_steps}",
+    ]
     geo = Geometry.parse(args.geometry)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -245,6 +245,10 @@ class EngineSection(_Section):
     # A waiting request's priority improves by one per this many engine steps it has waited (never past
     # the most urgent live request's class); 0: no aging. Both engines (docs/engine.md, "Scheduling").
     priority_aging_steps: int = Field(default=0, ge=0, le=2**31 - 1)
+    # While a request of the most urgent running class runs, at most this many running requests of
+    # lower classes (the rest are preempted, and no more are admitted), so the urgent one decodes in a
+    # small batch; 0: no cap. Both engines (docs/engine.md, "Scheduling").
+    lower_class_limit: int = Field(default=0, ge=0, le=2**31 - 1)
 
     @field_validator("buckets")
     @classmethod

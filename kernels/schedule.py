@@ -131,7 +131,7 @@ def schedule_kernel(
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
-    NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr,
+    NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr,
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
     MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
@@ -222,12 +222,13 @@ def schedule_kernel(
             taken = free_d & (st == SLOT.WAITING)
             tl.store(wait_since_ptr + offs_d, tl.zeros([BLOCK_D], tl.int64) + clock, mask=taken)
 
-        # 4. The batch: running sequences in (class, admission) order get their chunks (preempting the
-        # last ones when blocks run out), then waiting slots are admitted into what is left, preempting
-        # running ones of a strictly lower class when they do not fit.
+        # 4. The batch: with LIMIT > 0 the running ones of a lower class than the most urgent running
+        # one beyond LIMIT are preempted; running sequences in (class, admission) order get their
+        # chunks (preempting the last ones when blocks run out), then waiting slots are admitted into
+        # what is left, preempting running ones of a strictly lower class when they do not fit.
         top, next_run_order, nseq, ntot, nsamp, sampler_index, n_preempted = build_batch(
             st, md, top, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots, step,
-            S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING, SLOT,
+            S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING, LIMIT, SLOT,
         )  # fmt: skip
 
     # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.

@@ -1,5 +1,6 @@
 """Schedule's batch: which sequences run this step and how many tokens each, as the reference
-Scheduler.schedule picks them (running sequences in (class, admission) order: decodes first, prefill
+Scheduler.schedule picks them (with a class cap, the running ones of a lower class than the most
+urgent running one beyond the cap preempted first; running sequences in (class, admission) order: decodes first, prefill
 chunks in the rest of the token budget, KV blocks from the free stack, recompute preemption of the
 last in that order; then admission of waiting slots in (effective priority, arrival) order, which
 preempts running slots of a strictly lower class when the head does not fit), written into the step
@@ -31,21 +32,25 @@ def build_batch(
     st, md, top, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots, step,
     S: tl.constexpr, MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_RANK: tl.constexpr,
-    AGING: tl.constexpr, SLOT: tl.constexpr,
+    AGING: tl.constexpr, LIMIT: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
-    """The step's batch (Scheduler.schedule): running slots in running order get their chunks, then
-    waiting slots are admitted; slot state, step tables and sample rows written. Returns (stack top,
-    next_run_order, sequences, tokens, sample rows, sampler variant, preemptions)."""
+    """The step's batch (Scheduler.schedule): the class cap, running slots in running order get their
+    chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
+    (stack top, next_run_order, sequences, tokens, sample rows, sampler variant, preemptions)."""
     m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k = order_running(
         st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
     )
+    m, pre_k, nb_k, top, n_capped = cap_lower_classes(
+        m, ms, ks, nb_k, rp_k, top, offs_s, free_blocks_ptr, slots, MAXB, BLOCK_S, BLOCK_J, LIMIT, SLOT
+    )  # m: the running ones it kept, the first m in running order
     n_k, nb_k, pre_k, budget, top, n_preempted = fill_budget(
-        top, m, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots, MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J,
+        top, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots,
+        MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J,
     )  # fmt: skip
     n_k, nb_k, pre_k, top, next_run_order, n_victims, n_new, ntot_new, nsamp_new, sampler_new = admit_waiting(
-        budget, top, next_run_order, st, md, m, n_preempted, clock,
+        budget, top, next_run_order, st, md, m, n_preempted, n_capped, clock,
         ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, step,
-        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, SLOT,
+        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, SLOT,
     )  # fmt: skip
     store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT)
     nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
@@ -57,7 +62,7 @@ def build_batch(
         ntot + ntot_new,
         nsamp + nsamp_new,
         sampler_index,
-        n_preempted + n_victims,
+        n_capped + n_preempted + n_victims,
     )
 
 
@@ -102,14 +107,47 @@ def order_running(
 
 
 @triton.jit
+def cap_lower_classes(
+    m, ms, ks, nb_k, rp_k, top, offs_s, free_blocks_ptr, slots,
+    MAXB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, LIMIT: tl.constexpr,
+    SLOT: tl.constexpr,
+):  # fmt: skip
+    """Phase 0 (Scheduler._cap_lower_classes): with LIMIT > 0, the running sequences of a class below
+    the most urgent running one beyond LIMIT are preempted, the last in running order first: the
+    tail of the run order, its blocks pushed from the last one on. Their slot state is WAITING from
+    here on (admit_waiting reads it back; store_running writes the rest). Returns (the running ones
+    kept, the first in run order, the preempted flags, blocks held, the stack top, how many)."""
+    pre_k = tl.zeros([BLOCK_S], tl.int32)
+    n_capped = tl.full([], 0, tl.int32)
+    if LIMIT > 0:
+        top_class = tl.min(tl.where(ms, rp_k, _INT32_MAX), 0)
+        n_lower = tl.sum((ms & (rp_k > top_class)).to(tl.int32), 0)
+        n_capped = tl.maximum(n_lower - LIMIT, 0)
+        if n_capped > 0:
+            victim = ms & (offs_s >= m - n_capped)
+            freed = tl.where(victim, nb_k, 0)
+            push_blocks(
+                victim, freed, top + tl.cumsum(freed, 0, reverse=True) - freed, ks,
+                slots.block_table, free_blocks_ptr, MAXB, BLOCK_J,
+            )  # fmt: skip
+            top += tl.sum(freed, 0)
+            pre_k = tl.where(victim, 1, pre_k)
+            nb_k = tl.where(victim, 0, nb_k)
+            tl.store(slots.slot_state + ks, tl.full([BLOCK_S], SLOT.WAITING, tl.int32), mask=victim)
+            tl.debug_barrier()  # the pushes and states are visible before the fill pops blocks
+    return m - n_capped, pre_k, nb_k, top, n_capped
+
+
+@triton.jit
 def fill_budget(
-    top, m, ks, ntok_k, ncomp_k, nb_k, offs_s, free_blocks_ptr, slots,
+    top, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots,
     MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):  # fmt: skip
-    """The budget fill (Scheduler.schedule phases 1-2) of the running sequences in run order, in
-    rounds (store_running stores the outcome once admission is done). Returns (each one's chunk,
-    blocks held and preempted flag, the budget left, the stack top, how many were preempted).
+    """The budget fill (Scheduler.schedule phases 1-2) of the first m running sequences in run order
+    (those the class cap kept), in rounds (store_running stores the outcome once admission is done).
+    Returns (each one's chunk, blocks held and preempted flag, the budget left, the stack top, how
+    many it preempted).
 
     A round schedules sequences i0..hi as if no preemption happened: decodes 1 token, prefills
     greedily from what the budget leaves after one token per decode (= the reference's `reserved`),
@@ -119,7 +157,6 @@ def fill_budget(
     block_table_ptr = slots.block_table
     rem_k = ntok_k - ncomp_k
     n_k = tl.zeros([BLOCK_S], tl.int32)
-    pre_k = tl.zeros([BLOCK_S], tl.int32)
     budget = tl.full([], MAX_BATCHED, tl.int32)
     i0 = tl.full([], 0, tl.int32)
     hi = m - 1
@@ -174,7 +211,7 @@ def fill_budget(
             i0 = kstar + 1
         else:
             i0 = hi + 1
-    n_preempted = tl.sum((pre_k != 0).to(tl.int32), 0)
+    n_preempted = tl.sum(((pre_k != 0) & (offs_s < m)).to(tl.int32), 0)
     return n_k, nb_k, pre_k, budget, top, n_preempted
 
 
@@ -211,17 +248,18 @@ def write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step):
 
 @triton.jit
 def admit_waiting(
-    budget, top, next_run_order, st, md, m, n_preempted, clock,
+    budget, top, next_run_order, st, md, m, n_preempted, n_capped, clock,
     ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, step,
     S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_J: tl.constexpr, AGING: tl.constexpr, SLOT: tl.constexpr,
+    BLOCK_J: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
     """Admission of waiting slots (Scheduler.schedule phase 3), only in a step whose budget fill
     preempted nothing: the head of the (effective priority, arrival) order while it fits (a sequence
     slot, budget, blocks for its chunk); when it does not and the last running sequence in running
     order is of a strictly lower class, that one is preempted (its chunk of this step taken back) and
-    the head tried again. Stops at a head that still does not fit or that it preempted itself.
-    Admitted slots join the batch after the running ones (written here). Returns (n_k, nb_k, pre_k
+    the head tried again. Stops at a head that still does not fit, that this step preempted (class
+    cap, admission), or that the class cap holds back (_class_capped). m: running sequences the
+    class cap kept. Admitted slots join the batch after the running ones (written here). Returns (n_k, nb_k, pre_k
     after its preemptions, stack top, next_run_order, how many it preempted, admitted sequences,
     their tokens, their sample rows, the sampler variant they need)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -251,7 +289,9 @@ def admit_waiting(
             adm_qs = tl.zeros([BLOCK_D], tl.int32)
             adm_row = tl.full([BLOCK_D], -1, tl.int32)
             adm_eff = tl.zeros([BLOCK_D], tl.int64)
-            victims_d = offs_d < 0  # slots this admission preempted (WAITING again, not readmitted now)
+            # Slots this step preempted (WAITING again, not readmitted now), at their base priority.
+            victims_d = _capped_slots(st, md, n_capped, offs_d, slots, LIMIT, SLOT)
+            eff_d = tl.where(victims_d, pri_d.to(tl.int64), eff_d)
             popped = tl.full([], 0, tl.int32)  # blocks of admissions not yet popped (pops are deferred)
             n_flushed = tl.full([], 0, tl.int32)  # admissions whose blocks are popped
             while go:
@@ -268,8 +308,9 @@ def admit_waiting(
                 w_n = tl.minimum(w_rem, budget)
                 w_need = (w_n + BS - 1) // BS
                 room = (m - n_victims + n_new < S) & (budget > 0) & (w_need <= top - popped)
-                w_fits = room & ~w_again
-                evict = ~w_again & ~room & (_last_class(ms, pre_k, rp_k, offs_s) > w_pri)
+                held = w_again | _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT)
+                w_fits = room & ~held
+                evict = ~held & ~room & (_last_class(ms, pre_k, rp_k, offs_s) > w_pri)
                 w_take = w_is & w_fits
                 w_samples = w_fits & (w_n == w_rem)
                 adm_rank = tl.where(w_take, n_new, adm_rank)
@@ -344,6 +385,37 @@ def _effective_priority(pri_d, live, waiting, clock, offs_d, slots, AGING: tl.co
         floor = tl.min(tl.where(live, pri_d, _INT32_MAX), 0).to(tl.int64)
         eff = tl.maximum(floor, eff - (clock - since) // AGING)
     return eff
+
+
+@triton.jit
+def _capped_slots(st, md, n_capped, offs_d, slots, LIMIT: tl.constexpr, SLOT: tl.constexpr):
+    """The slots the class cap preempted this step (cap_lower_classes stored them WAITING)."""
+    capped = offs_d < 0
+    if LIMIT > 0:
+        if n_capped > 0:
+            now = tl.load(slots.slot_state + offs_d, mask=md, other=SLOT.FREE)
+            capped = md & (st == SLOT.RUNNING) & (now == SLOT.WAITING)
+    return capped
+
+
+@triton.jit
+def _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT: tl.constexpr):
+    """Scheduler._capped: with LIMIT > 0, a head of effective priority w_pri is held back when it is of
+    a class below the most urgent running one (this step's admissions counted) while LIMIT running
+    sequences already are."""
+    capped = w_pri < w_pri
+    if LIMIT > 0:
+        kept = ms & (pre_k == 0)
+        adm = adm_rank >= 0
+        top_class = tl.minimum(
+            tl.min(tl.where(kept, rp_k.to(tl.int64), _INT64_MAX), 0),
+            tl.min(tl.where(adm, adm_eff, _INT64_MAX), 0),
+        )
+        n_lower = tl.sum((kept & (rp_k.to(tl.int64) > top_class)).to(tl.int32), 0) + tl.sum(
+            (adm & (adm_eff > top_class)).to(tl.int32), 0
+        )
+        capped = (w_pri > top_class) & (n_lower >= LIMIT)
+    return capped
 
 
 @triton.jit

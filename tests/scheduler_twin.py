@@ -61,6 +61,7 @@ class RefStep:
     batch: object  # ForwardBatch or None
     sampling: list[tuple[int, SamplingParams, int, int]]  # request id, params, seed, output index
     preempted: list[int] = field(default_factory=list)  # request ids, in preemption order
+    capped: int = 0  # how many of them the class cap (phase 0) preempted
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Stats:
     preemptions: int = 0
     admitted_while_running: int = 0
     preempted_for_admission: int = 0  # steps whose admission preempted running sequences
+    capped: int = 0  # preemptions by the class cap (lower_class_limit)
     finishes: list[tuple[int, int, int]] = field(default_factory=list)  # (channel, finish code, error code)
 
     def last_finish(self, channel: int) -> tuple[int, int]:
@@ -119,7 +121,7 @@ class Twin:
         config = EngineConfig(
             block_size=loop.block_size, num_kv_blocks=loop.num_kv_blocks, max_num_seqs=loop.max_num_seqs,
             max_num_batched_tokens=loop.max_num_batched_tokens, max_model_len=loop.max_model_len, seed=7,
-            priority_aging_steps=loop.priority_aging_steps,
+            priority_aging_steps=loop.priority_aging_steps, lower_class_limit=loop.lower_class_limit,
         )  # fmt: skip
         self.engine = LLMEngine(tiny_model(), config)
         self.server = EngineServer(self.engine, self.ref_transport, RING)
@@ -161,7 +163,7 @@ class Twin:
         sampling = [
             (c.seq.request_id, c.seq.params, c.seq.seed, c.seq.num_output_tokens) for c in out.sampling_chunks
         ]
-        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted])
+        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted], out.capped)
 
     def _reference_iteration(self) -> tuple[RefStep, list[TokenEvent]]:
         """EngineServer.run's loop body (without the sleep and telemetry)."""
@@ -198,6 +200,7 @@ class Twin:
         self.stats.steps += bool(ref.chunks)
         self.stats.tokens += sum(c.num_tokens for c in ref.chunks)
         self.stats.preemptions += self.engine.scheduler.num_preemptions - preemptions_before
+        self.stats.capped += ref.capped
         if running_before and any(c.start == 0 for c in ref.chunks[running_before:]):
             self.stats.admitted_while_running += 1
         # A step that preempted admits only through preemption by a higher class (docs/engine.md).

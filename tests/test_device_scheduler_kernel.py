@@ -52,6 +52,9 @@ def test_launch_is_capturable_by_construction():
 
 
 _COMPILE_FOR_H100 = """
+import dataclasses
+import sys
+
 import torch
 from blink_appliance.engine.loop.scheduler import DeviceScheduler
 from blink_appliance.engine.loop.state import DeviceState
@@ -61,6 +64,7 @@ from blink_appliance.wire.ring_layout import RingLayout
 from tests.sm90_ptx import ptx_for_sm90
 from tests.twin_front_end import LOOP, RING
 
+LOOP = dataclasses.replace(LOOP, lower_class_limit=int(sys.argv[1]))
 layout = RingLayout.of(RING)
 ring = torch.zeros(layout.size, dtype=torch.uint8)
 inputs = StepInputs.allocate(LOOP.max_num_batched_tokens, LOOP.max_num_seqs, LOOP.max_blocks_per_seq, "cpu")
@@ -112,14 +116,15 @@ def test_a_record_field_not_where_or_what_the_kernel_reads_is_refused():
         kernel_args.request_fields(with_fields({}))
 
 
-def test_kernel_compiles_for_the_h100():
+@pytest.mark.parametrize("lower_class_limit", [0, 2])
+def test_kernel_compiles_for_the_h100(lower_class_limit):
     """The GPU path (inline PTX acquire/release on the ring) compiles for sm_90 here, without a GPU:
     the interpreter does not type-check the way the compiler does. Run in a child process, since
-    TRITON_INTERPRET is set in this one."""
+    TRITON_INTERPRET is set in this one. With a class cap, its code (compiled out at 0) too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_H100], cwd=Path(__file__).parent.parent, env=env,
+        [sys.executable, "-c", _COMPILE_FOR_H100, str(lower_class_limit)], cwd=Path(__file__).parent.parent, env=env,
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if done.returncode and (

@@ -352,3 +352,89 @@ def test_aging_is_off_by_default_and_a_preempted_sequence_restarts_at_its_base_p
     commit(s.schedule())
     assert s.effective_priority(low, 0) == 3 and s.effective_priority(low, 4) == 4
     assert make().config.priority_aging_steps == 0
+
+
+# -- the class cap (lower_class_limit, docs/engine.md "Scheduling") ----------------------------------
+
+
+def make_capped(limit: int, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(4, max_seqs, 32, lower_class_limit=limit), BlockAllocator(64))
+
+
+def lower_class_running(s: Scheduler) -> int:
+    top = min(q.run_priority for q in s.running)
+    return sum(1 for q in s.running if q.run_priority > top)
+
+
+def test_class_cap_preempts_lower_classes_while_the_top_class_runs_and_they_refill_after():
+    s = make_capped(2)
+    low = [make_seq(rid, 4, priority=3) for rid in range(1, 6)]
+    for q in low:
+        s.add(q)
+    commit(s.schedule())
+    assert running_ids(s) == [1, 2, 3, 4, 5]  # one class: no cap
+    urgent = make_seq(9, 4, priority=0)
+    s.add(urgent)
+    out = s.schedule()  # admitted as before; the cap on the lower classes acts from the next step
+    assert plan(out)[-1] == (9, 0, 4) and out.capped == 0 and not out.preempted
+    commit(out)
+    out = s.schedule()
+    # Phase 0: three of the five lower-class sequences go, the last in running order first.
+    assert [q.request_id for q in out.preempted] == [5, 4, 3] and out.capped == 3
+    assert running_ids(s) == [9, 1, 2] and plan(out) == [(9, 4, 1), (1, 5, 1), (2, 5, 1)]
+    assert all(q.status is SequenceStatus.WAITING and q.wait_since == 2 for q in low[2:])
+    commit(out)
+    for _ in range(3):  # the cap holds while the urgent one runs: nothing lower is readmitted
+        out = s.schedule()
+        assert running_ids(s) == [9, 1, 2] and not out.preempted
+        commit(out)
+    s.finish(urgent)
+    out = s.schedule()  # the top class is now the lower one: it refills
+    assert running_ids(s) == [1, 2, 3, 4, 5] and [c.start for c in out.chunks[2:]] == [0, 0, 0]
+
+
+def test_class_cap_preemptions_do_not_stop_a_more_urgent_admission():
+    s = make_capped(1)
+    for rid in (1, 2, 3):
+        s.add(make_seq(rid, 4, priority=3))
+    commit(s.schedule())
+    s.add(make_seq(9, 4, priority=0))
+    commit(s.schedule())
+    s.add(make_seq(10, 4, priority=-1))
+    out = s.schedule()
+    assert out.capped == 2 and [q.request_id for q in out.preempted] == [3, 2]
+    assert plan(out) == [(9, 4, 1), (1, 5, 1), (10, 0, 4)]  # admitted in the step that capped
+    assert running_ids(s) == [10, 9, 1]
+    commit(out)
+    out = s.schedule()  # 10 is the top class now: 9 and 1 are both lower, one too many
+    assert [q.request_id for q in out.preempted] == [1] and running_ids(s) == [10, 9]
+
+
+def test_admission_respects_the_class_cap_in_fcfs_order():
+    s = make_capped(2)
+    urgent = make_seq(9, 4, priority=0)
+    s.add(urgent)
+    commit(s.schedule())
+    for rid in (1, 2, 3):
+        s.add(make_seq(rid, 4, priority=3))
+    s.add(make_seq(4, 4, priority=0))  # same class as the top: not capped, but FCFS by class
+    out = s.schedule()
+    assert plan(out) == [(9, 4, 1), (4, 0, 4), (1, 0, 4), (2, 0, 4)]  # 3 waits: two lower ones run
+    assert lower_class_running(s) == 2 and [q.request_id for q in s.waiting] == [3]
+    commit(out)
+    s.finish(urgent)
+    s.finish(next(q for q in s.running if q.request_id == 4))
+    commit(s.schedule())
+    assert running_ids(s) == [1, 2, 3]
+
+
+def test_without_a_class_cap_lower_classes_fill_the_batch():
+    for limit in (0, 2):
+        s = make_capped(limit)
+        s.add(make_seq(9, 4, priority=0))
+        commit(s.schedule())
+        for rid in (1, 2, 3, 4):
+            s.add(make_seq(rid, 4, priority=3))
+        commit(s.schedule())
+        assert lower_class_running(s) == (4 if limit == 0 else 2)
+    assert make().config.lower_class_limit == 0

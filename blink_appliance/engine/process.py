@@ -97,6 +97,7 @@ def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None
             max_model_len=plan.max_model_len,
             eos_token_ids=tuple(model.config.eos_token_ids),
             priority_aging_steps=profile.engine.priority_aging_steps,
+            lower_class_limit=profile.engine.lower_class_limit,
         ),
     )
     transport = ShmTransport.open(region_name(profile, index))

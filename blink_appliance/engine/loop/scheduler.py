@@ -99,7 +99,7 @@ class DeviceScheduler:
             D=g.num_slots, S=g.max_num_seqs, MAX_BATCHED=g.max_num_batched_tokens,
             NUM_BUCKETS=len(g.buckets), BS=g.block_size, MAXB=g.max_blocks_per_seq,
             MAX_MODEL_LEN=g.max_model_len, VOCAB=g.vocab_size, NUM_COUNTERS=len(COUNTERS),
-            AGING=g.priority_aging_steps,
+            AGING=g.priority_aging_steps, LIMIT=g.lower_class_limit,
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
             OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,

@@ -63,6 +63,7 @@ class LoopGeometry:
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # at most MAX_EOS_IDS
     priority_aging_steps: int = 0  # a waiting slot gains one priority level per this many steps; 0: off
+    lower_class_limit: int = 0  # running slots below the most urgent running class, at most; 0: no cap
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -85,6 +86,8 @@ class LoopGeometry:
             raise ValueError("num_kv_blocks cannot hold one sequence of max_model_len")
         if self.priority_aging_steps < 0:
             raise ValueError("priority_aging_steps must be >= 0")
+        if self.lower_class_limit < 0:
+            raise ValueError("lower_class_limit must be >= 0")
         if len(self.eos_token_ids) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} eos token ids")
 

@@ -3,6 +3,9 @@ preemption by recompute.
 
 One call to `schedule()` decides one model step (docs/engine.md has the full state machine):
 
+0. Class cap (`lower_class_limit` = L > 0): while more than L running sequences are of a class below
+   the most urgent running class, the last one in running order is preempted (this does not stop
+   admission, and the victims are not readmitted in this step).
 1. Running sequences in running order: (class, admission), the class being the effective priority a
    sequence was admitted with. One with a single uncomputed token (decoding) gets that token. One
    still prefilling gets a chunk of what the budget has left after reserving one token for every
@@ -15,7 +18,8 @@ One call to `schedule()` decides one model step (docs/engine.md has the full sta
    order. When the head does not fit (no sequence slot, no budget, too few blocks) and the last
    running sequence is of a strictly lower class, that one is preempted (its chunk of this step
    taken back) and the head tried again. Admission stops at the first head that still does not
-   fit, or that this step's admission preempted (no skipping, so FCFS holds within a class).
+   fit, that this step preempted (in 0 or 3), or, with L > 0, that is of a class below the most
+   urgent running one while L such sequences run (no skipping, so FCFS holds within a class).
 4. Aging (`priority_aging_steps` > 0): a waiting sequence's effective priority improves by one per
    that many steps waited, never past the most urgent base priority among live sequences.
 
@@ -40,6 +44,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     priority_aging_steps: int = 0  # 0: no aging
+    lower_class_limit: int = 0  # running sequences of a class below the most urgent one, at most; 0: no cap
 
 
 @dataclass
@@ -60,7 +65,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]  # in batch order
-    preempted: list[Sequence]
+    preempted: list[Sequence]  # in preemption order: class cap, budget fill, admission
+    capped: int = 0  # how many of them the class cap preempted (the first ones)
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +111,10 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
 
+        # 0: the class cap; its victims do not stop admission.
+        self._cap_lower_classes(preempted)
+        capped = len(preempted)
+
         # 1 + 2: running sequences in running order.
         reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         i = 0
@@ -136,11 +146,33 @@ class Scheduler:
             i += 1
 
         # 3: admit waiting sequences (not in a step that had to preempt for blocks: that would thrash).
-        if not preempted and self.waiting:
+        if len(preempted) == capped and self.waiting:
             self._admit(chunks, preempted, budget)
         if chunks:
             self.clock += 1
-        return SchedulerOutput(chunks, preempted)
+        return SchedulerOutput(chunks, preempted, capped)
+
+    def _lower_class_count(self) -> int:
+        """Running sequences of a class strictly below (greater than) the most urgent running one."""
+        top = self.running[0].run_priority  # the running list is in running order: class first
+        return sum(1 for s in self.running if s.run_priority > top)
+
+    def _cap_lower_classes(self, preempted: list[Sequence]) -> None:
+        """Phase 0: while more than `lower_class_limit` running sequences are of a lower class than the
+        most urgent running one, preempt the last in running order."""
+        limit = self.config.lower_class_limit
+        while limit > 0 and self.running and self._lower_class_count() > limit:
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+
+    def _capped(self, priority: int) -> bool:
+        """A head of this effective priority is of a lower class than the most urgent running one while
+        `lower_class_limit` such sequences already run (this step's admissions counted)."""
+        limit = self.config.lower_class_limit
+        if limit == 0 or not self.running or priority <= self.running[0].run_priority:
+            return False
+        return self._lower_class_count() >= limit
 
     def _admit(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> None:
         """Phase 3: the head of the (effective priority, arrival) order while it fits, preempting
@@ -149,8 +181,10 @@ class Scheduler:
         while self.waiting:
             seq = min(self.waiting, key=lambda s: (self.effective_priority(s, floor), s.arrival))
             if any(seq is v for v in preempted):
-                break  # preempted by this admission: not readmitted (recomputed) in the same step
+                break  # preempted in this step (class cap, admission): not readmitted (recomputed) now
             priority = self.effective_priority(seq, floor)
+            if self._capped(priority):
+                break
             while not self._fits(seq, budget) and self.running and self.running[-1].run_priority > priority:
                 victim = self.running[-1]
                 for k, c in enumerate(chunks):
