@@ -128,13 +128,12 @@ class HeartbeatWatch:
 
 
 @dataclasses.dataclass
-class EngineGroup:
-    """One engine process and the model it serves (its index in profile.models, a tuple so that
-    the supervision reads the same for every region it watches), with its region's heartbeat watch."""
+class ModelEngine:
+    """One model's engine process (`index` into profile.models) and its region's heartbeat watch."""
 
-    indices: tuple[int, ...]
+    index: int
     child: _Child
-    watches: list[HeartbeatWatch]
+    watch: HeartbeatWatch
 
 
 class ApplianceDaemon:
@@ -153,15 +152,15 @@ class ApplianceDaemon:
         many = len(profile.models) > 1
         # An engine alive but stuck: the front end fails its streams at the stall limit, and the
         # daemon then kills it so that the restart below serves again.
-        self.groups = [
-            EngineGroup(
-                (i,),
+        self.engines = [
+            ModelEngine(
+                i,
                 _Child(
                     f"engine of {m.name}" if many else "engine",
                     [py, "-m", "blink_appliance.engine.process", str(profile_path)]
                     + ["--model", str(i), "--parent-pid", me],
                 ),
-                [HeartbeatWatch(ENGINE_STALL_LIMIT_S)],
+                HeartbeatWatch(ENGINE_STALL_LIMIT_S),
             )
             for i, m in enumerate(profile.models)
         ]
@@ -182,18 +181,18 @@ class ApplianceDaemon:
         self.frontend = _Child("frontend", fe_argv)
         self.url: str | None = None
 
-    # The first group's engine and its first region's watch: all there is in a one-model appliance.
+    # The first model's engine and its watch: all there is in a one-model appliance.
     @property
     def engine(self) -> _Child:
-        return self.groups[0].child
+        return self.engines[0].child
 
     @engine.setter
     def engine(self, child: _Child) -> None:
-        self.groups[0].child = child
+        self.engines[0].child = child
 
     @property
     def engine_watch(self) -> HeartbeatWatch:
-        return self.groups[0].watches[0]
+        return self.engines[0].watch
 
     # -- the whole life ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -254,9 +253,9 @@ class ApplianceDaemon:
         try:
             for device in gpu_sharing.shared_devices(self.profile):
                 free = str(gpu_sharing.device_free_bytes(device))
-                for group in self.groups:
-                    if self.profile.models[group.indices[0]].device == device:
-                        group.child.argv += ["--device-free-bytes", free]
+                for e in self.engines:
+                    if self.profile.models[e.index].device == device:
+                        e.child.argv += ["--device-free-bytes", free]
             if not gpu_sharing.mps_needed(self.profile):
                 return
             shares = gpu_sharing.plan_shares(self.profile, gpu_sharing.device_sm_count)
@@ -266,49 +265,42 @@ class ApplianceDaemon:
             raise StartupError(str(e)) from None
         say(f"MPS control daemon started (pipes in {self.mps.pipe_dir})")
         for share in shares:
-            group = self.groups[share.model_index]
-            group.child.env = self.mps.client_env(share)
-            say(f"{group.child.name}: {share.describe()}")
+            child = self.engines[share.model_index].child
+            child.env = self.mps.client_env(share)
+            say(f"{child.name}: {share.describe()}")
 
     def _start_engines(self, regions: Sequence[RingRegion]) -> None:
-        """Start every group's engine at once (they load in parallel), then wait for each."""
-        epochs = [self._launch(group, regions) for group in self.groups]
-        for group, epoch in zip(self.groups, epochs, strict=True):
-            self._await_engine(group, regions, epoch)
+        """Start every model's engine at once (they load in parallel), then wait for each."""
+        epochs = [self._launch(e, regions[e.index]) for e in self.engines]
+        for e, epoch in zip(self.engines, epochs, strict=True):
+            self._await_engine(e, regions[e.index], epoch)
 
-    def _start_engine(
-        self, regions: RingRegion | Sequence[RingRegion], group: EngineGroup | None = None
-    ) -> None:
-        """Start one group's engine (default: the first) and wait until it serves every region."""
-        regions = _as_list(regions)
-        group = self.groups[0] if group is None else group
-        self._await_engine(group, regions, self._launch(group, regions))
+    def _start_engine(self, regions: RingRegion | Sequence[RingRegion], e: ModelEngine | None = None) -> None:
+        """Start one model's engine (default: the first) and wait until it serves its region."""
+        e = self.engines[0] if e is None else e
+        region = _as_list(regions)[e.index]
+        self._await_engine(e, region, self._launch(e, region))
 
     @staticmethod
-    def _launch(group: EngineGroup, regions: Sequence[RingRegion]) -> list[int]:
-        """Start the group's process; returns each of its regions' epoch from before."""
-        epochs = [regions[i].load("engine_epoch") for i in group.indices]
+    def _launch(e: ModelEngine, region: RingRegion) -> int:
+        """Start the engine's process; returns its region's epoch from before."""
+        epoch = region.load("engine_epoch")
         # A shutdown word left from before (a stray write, an engine's own request) must not stop
         # the engine this starts: the daemon's own stop is its event, checked below.
-        for i in group.indices:
-            regions[i].store("shutdown", 0)
-        group.child.start()
-        return epochs
+        region.store("shutdown", 0)
+        e.child.start()
+        return epoch
 
-    def _await_engine(self, group: EngineGroup, regions: Sequence[RingRegion], epochs: list[int]) -> None:
+    def _await_engine(self, e: ModelEngine, region: RingRegion, epoch: int) -> None:
         from blink_appliance.wire.ring_layout import EngineState
 
-        engine = group.child
+        engine = e.child
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while not self._stop.is_set():
             # Ours once it took a new epoch with its own pid: "greater than" would never hold after a
             # corrupt epoch word wrapped (begin_epoch), and the daemon would give up on a live engine.
-            if all(
-                regions[i].load("engine_pid") == engine.pid
-                and regions[i].load("engine_epoch") != epoch
-                and regions[i].load("engine_state") == EngineState.RUNNING
-                for i, epoch in zip(group.indices, epochs, strict=True)
-            ):
+            ours = region.load("engine_pid") == engine.pid and region.load("engine_epoch") != epoch
+            if ours and region.load("engine_state") == EngineState.RUNNING:
                 say(f"{engine.name} is serving")
                 return
             code = engine.exited()
@@ -342,34 +334,26 @@ class ApplianceDaemon:
         while not self._stop.wait(0.2):
             for i, region in enumerate(regions):
                 self._repair_header(region, region_name(self.profile, i))
-            for group in self.groups:
-                self._watch_engine(group, regions)
+            for e in self.engines:
+                self._watch_engine(e, regions)
             code = self.frontend.exited()
             if code is not None:
                 say(f"front end exited with code {code}")
                 self._restart(self.frontend, self._start_frontend)
 
-    def _watch_engine(self, group: EngineGroup, regions: Sequence[RingRegion]) -> None:
-        """A group's engine that exited is marked on each of its regions and restarted; one whose
-        heartbeat stood still on any of them is killed (the next round restarts it)."""
-        engine = group.child
+    def _watch_engine(self, e: ModelEngine, regions: Sequence[RingRegion]) -> None:
+        """An engine that exited is marked on its region and restarted; one whose heartbeat stood
+        still is killed (the next round restarts it)."""
+        engine, region = e.child, regions[e.index]
         code = engine.exited()
         if code is not None:
-            for i in group.indices:
-                mark_engine_exited(regions[i])
+            mark_engine_exited(region)
             say(f"{engine.name} exited with code {code}; its in-flight requests were failed")
-            self._restart(engine, lambda: self._start_engine(regions, group))
-            group.watches = [HeartbeatWatch(w.limit_s) for w in group.watches]  # a full window each
-            return
-        for i, watch in zip(group.indices, group.watches, strict=True):
-            stuck = watch.stuck_for(regions[i])
-            if stuck is not None:
-                say(
-                    f"{engine.name} heartbeat on /dev/shm/{region_name(self.profile, i)} stood still for "
-                    f"{stuck:.0f} s; killing it (pid {engine.pid})"
-                )
-                engine.kill()  # the next round sees the exit: FAILED, then a restart
-                return
+            self._restart(engine, lambda: self._start_engine(regions, e))
+            e.watch = HeartbeatWatch(e.watch.limit_s)  # a full window for the new one
+        elif (stuck := e.watch.stuck_for(region)) is not None:
+            say(f"{engine.name} heartbeat stood still for {stuck:.0f} s; killing it (pid {engine.pid})")
+            engine.kill()  # the next round sees the exit: FAILED, then a restart
 
     @staticmethod
     def _repair_header(region: RingRegion, name: str) -> None:
@@ -399,7 +383,7 @@ class ApplianceDaemon:
         fe_code = self.frontend.stop(drain + 10.0)
         for region in regions:  # every engine starts stopping now, not after the one before it
             region.store("shutdown", 1)
-        codes = {group.child.name: group.child.stop(15.0) for group in self.groups}
+        codes = {e.child.name: e.child.stop(15.0) for e in self.engines}
         if self.mps is not None:
             self.mps.stop()  # after the engines: they are its clients
         engines = ", ".join(f"{name} exit {code}" for name, code in codes.items())

@@ -27,10 +27,10 @@ def two_model_daemon(tmp_path: Path) -> ApplianceDaemon:
 
 def test_one_engine_process_per_model_each_told_its_model(tmp_path):
     daemon = two_model_daemon(tmp_path)
-    assert [g.indices for g in daemon.groups] == [(0,), (1,)]
-    assert [g.child.name for g in daemon.groups] == ["engine of a", "engine of b"]
-    for group, models in zip(daemon.groups, ("0", "1"), strict=True):
-        argv = group.child.argv
+    assert [e.index for e in daemon.engines] == [0, 1]
+    assert [e.child.name for e in daemon.engines] == ["engine of a", "engine of b"]
+    for e, models in zip(daemon.engines, ("0", "1"), strict=True):
+        argv = e.child.argv
         assert argv[:4] == [
             sys.executable,
             "-m",
@@ -42,10 +42,10 @@ def test_one_engine_process_per_model_each_told_its_model(tmp_path):
 
 
 def _with_stand_ins(daemon: ApplianceDaemon, regions: list[RingRegion]) -> list[StandInEngine]:
-    engines = [StandInEngine(regions[g.indices[0]]) for g in daemon.groups]
-    for group, engine in zip(daemon.groups, engines, strict=True):
-        engine.name = group.child.name
-        group.child = engine  # type: ignore[assignment]
+    engines = [StandInEngine(regions[e.index]) for e in daemon.engines]
+    for e, engine in zip(daemon.engines, engines, strict=True):
+        engine.name = e.child.name
+        e.child = engine  # type: ignore[assignment]
     return engines
 
 
@@ -73,7 +73,7 @@ def test_a_stalled_heartbeat_on_one_region_kills_only_that_engine(tmp_path):
         regions = [RingRegion.attach(t0, SMALL), RingRegion.attach(t1, SMALL)]
         daemon = two_model_daemon(tmp_path)
         a, b = _with_stand_ins(daemon, regions)
-        daemon.groups[1].watches[0].limit_s = 0.3  # the stand-ins never beat: only b's watch can fire
+        daemon.engines[1].watch.limit_s = 0.3  # the stand-ins never beat: only b's watch can fire
         daemon._start_engines(regions)
         daemon._stop.wait = _once_then_stop(daemon, rounds=12, pause_s=0.05)
         daemon._supervise(regions)
@@ -87,8 +87,8 @@ def test_shutdown_writes_every_regions_shutdown_word(tmp_path):
         regions = [RingRegion.attach(t0, SMALL), RingRegion.attach(t1, SMALL)]
         daemon = two_model_daemon(tmp_path)
         _with_stand_ins(daemon, regions)
-        for group in daemon.groups:
-            group.child.stop = lambda timeout_s: 0  # type: ignore[method-assign]
+        for e in daemon.engines:
+            e.child.stop = lambda timeout_s: 0  # type: ignore[method-assign]
         assert daemon._shutdown(regions) == 0
         assert [r.load("shutdown") for r in regions] == [1, 1]
         daemon._workdir.rmdir()
@@ -128,7 +128,7 @@ def test_gpu_loops_sharing_a_device_start_under_mps_at_their_shares(tmp_path, mo
     )
     daemon = ApplianceDaemon(profile, tmp_path / "profile.toml")
     daemon._share_gpus()
-    a, b, c = (g.child for g in daemon.groups)
+    a, b, c = (e.child for e in daemon.engines)
     for child in (a, b):
         assert child.argv[child.argv.index("--device-free-bytes") + 1] == str(70 << 30)
     assert "--device-free-bytes" not in c.argv and not c.env  # the CPU model is not an MPS client

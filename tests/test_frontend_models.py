@@ -82,26 +82,34 @@ def regions_with_engines(profile: Profile, count: int) -> Iterator[tuple[dict, d
         yield engines, servers
 
 
+@contextlib.contextmanager
+def running_front_end(profile_path: Path, ready: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """The front-end process on the profile, once ready: its URL and process. On the way out it gets
+    SIGTERM (unless it exited) and must exit 0."""
+    proc = start_front_end(profile_path, ready)
+    try:
+        url = wait_ready(proc, ready)
+    except BaseException:
+        proc.kill()
+        proc.wait(30)
+        raise
+    try:
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        log = proc.stdout.read()  # type: ignore[union-attr]
+        assert code == 0, log
+
+
 @pytest.fixture
 def front_end(tmp_path: Path) -> Iterator[FrontEnd]:
     profile_path = write_profile(tmp_path)
     profile = load_profile(profile_path)
     with regions_with_engines(profile, len(MODELS)) as (engines, servers):
-        proc = start_front_end(profile_path, tmp_path / "ready")
-        try:
-            url = wait_ready(proc, tmp_path / "ready")
-        except BaseException:
-            proc.kill()
-            proc.wait(30)
-            raise
-        try:
+        with running_front_end(profile_path, tmp_path / "ready") as (url, proc):
             yield FrontEnd(url, proc, engines, servers)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            code = proc.wait(30)
-            log = proc.stdout.read()  # type: ignore[union-attr]
-            assert code == 0, log
 
 
 async def test_each_request_goes_to_the_engine_of_the_model_it_names(front_end: FrontEnd) -> None:

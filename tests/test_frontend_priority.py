@@ -6,7 +6,6 @@ Each model's engine is a CounterEngine behind the reference ring server in a thr
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from blink_appliance.profile import load_profile
 from blink_appliance.wire.request import Request
 from tests.ring_support import unique_name
-from tests.test_frontend_models import regions_with_engines, start_front_end, wait_ready
+from tests.test_frontend_models import regions_with_engines, running_front_end
 
 BATCH, LIVE, PLAIN, ENV = "batch-key-123", "live-key-1234", "plain-key-123", "env-key-12345"
 
@@ -51,9 +50,7 @@ async def test_profile_classes_reach_the_engines_and_are_reported_per_class(
                 seen[name].append(req),
                 original(req),
             )[1]
-        proc = start_front_end(profile_path, tmp_path / "ready")
-        try:
-            url = wait_ready(proc, tmp_path / "ready")
+        with running_front_end(profile_path, tmp_path / "ready") as (url, _proc):
             cases = [  # (model, key, requested priority, effective priority)
                 ("alpha", BATCH, None, 20),
                 ("alpha", BATCH, 0, 20),  # cannot rise above its key's class
@@ -84,12 +81,6 @@ async def test_profile_classes_reach_the_engines_and_are_reported_per_class(
                         break
                     assert time.monotonic() < deadline, snapshot
                     await asyncio.sleep(0.05)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            code = proc.wait(30)
-            log = proc.stdout.read()  # type: ignore[union-attr]
-        assert code == 0, log
     for model in ("alpha", "beta"):
         expected = [effective for m, _, _, effective in cases if m == model]
         assert [req.priority for req in seen[model]] == expected

@@ -27,6 +27,7 @@ from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
 from blink_appliance.telemetry import TelemetrySource, sm_shares
+from blink_appliance.telemetry.latency import TokenLatencyTracker
 
 MS = 1_000_000
 
@@ -99,7 +100,11 @@ def make_app(source: TelemetrySource) -> web.Application:
 
 def record_stream(source: TelemetrySource, model: str, ttft_ms: float, gaps_ms: list[float]) -> None:
     """A request's tokens as the front end stamps them (ending now)."""
-    tracker = source.latency(model)
+    record_into(source.latency(model), ttft_ms, gaps_ms)
+
+
+def record_into(tracker: TokenLatencyTracker, ttft_ms: float, gaps_ms: list[float]) -> None:
+    """A request's TTFT and token gaps into one tracker, ending now."""
     now = time.monotonic_ns()
     first = now - int(sum(gaps_ms) * MS)
     tracker.record_first_token(first - int(ttft_ms * MS), first)
@@ -338,15 +343,7 @@ def record_class_stream(
     """A request of one priority class, recorded as the front end does: in the model's tracker
     and in its class's (frontend/metrics.py RequestTimer)."""
     record_stream(source, model, ttft_ms, gaps_ms)
-    tracker = source.class_latency(model, priority)
-    now = time.monotonic_ns()
-    first = now - int(sum(gaps_ms) * MS)
-    tracker.record_first_token(first - int(ttft_ms * MS), first)
-    prev = first
-    for gap in gaps_ms:
-        tracker.record_token(prev, prev + int(gap * MS))
-        prev += int(gap * MS)
-    tracker.record_request_done(first, prev, len(gaps_ms) + 1)
+    record_into(source.class_latency(model, priority), ttft_ms, gaps_ms)
 
 
 async def test_priority_classes_side_by_side_once_a_second_class_is_seen(
