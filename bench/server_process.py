@@ -41,6 +41,7 @@ class ServerProcess:
     argv: list[str]
     log_path: Path
     env: dict[str, str] | None = None
+    http: bool = True  # False: the URL names something else (a ring agent's nixl://), no /health to wait on
     proc: subprocess.Popen[str] | None = None
     url: str = ""
     started_s: float = 0.0  # monotonic, when start() began
@@ -72,10 +73,11 @@ class ServerProcess:
                 )
             time.sleep(0.1)
         self.url = self._url_lines[0].strip()
-        if not self.url.startswith("http"):
+        if not self.url.startswith("http" if self.http else "nixl"):
             self.stop(10.0)
             raise ServerStartError(f"{self.name} printed {self.url!r} instead of its URL:\n{self.log_tail()}")
-        self.wait_healthy(max(1.0, deadline - time.monotonic()))
+        if self.http:
+            self.wait_healthy(max(1.0, deadline - time.monotonic()))
         self.ready_after_s = time.monotonic() - self.started_s
 
     def _read_url(self) -> None:

@@ -1,4 +1,4 @@
-"""`blink-appliance`: up, check, models pull|list, top, bench serve|interfere."""
+"""`blink-appliance`: up, frontend, check, models pull|list, top, bench serve|interfere."""
 
 from __future__ import annotations
 
@@ -28,6 +28,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     return run_up(profile, Path(args.profile).resolve(), host=args.host, port=args.port)
+
+
+def _cmd_frontend(args: argparse.Namespace) -> int:
+    """The HTTP front end alone, on a host other than the engine's (a DPU): it reaches the rings
+    through the ring agent that `up` starts there (frontend.transport "nixl")."""
+    from blink_appliance.frontend.__main__ import main as frontend_main
+
+    argv = [args.profile, "--standalone"]
+    if args.host is not None:
+        argv += ["--host", args.host]
+    if args.port is not None:
+        argv += ["--port", str(args.port)]
+    if args.ready_file is not None:
+        argv += ["--ready-file", str(args.ready_file)]
+    return frontend_main(argv)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -256,6 +271,19 @@ def _print_rings_and_front_end(profile: Profile) -> None:
     fe = profile.frontend
     auth = "bearer keys" if fe.api_keys else "no API keys (BLINK_API_KEY may add one)"
     print(f"front end http://{fe.host}:{fe.port} over {fe.transport}, {auth}")
+    if profile.dpu is not None:
+        from blink_appliance.wire.handshake import load_secret
+
+        d = profile.dpu
+        try:
+            load_secret(d.secret_file)
+        except ValueError as e:  # both hosts need it, and the ring agent would stop on it
+            raise ProfileError(str(e)) from None
+        ucx = ", ".join(f"{k}={v}" for k, v in d.ucx_env().items()) or "UCX picks devices and transports"
+        print(
+            f"  runs on {d.frontend_host} (`blink-appliance frontend`); the ring agent listens on "
+            f"{d.listen}:{d.port}, dialled at {d.dial_address}; NIXL {d.backend}: {ucx}"
+        )
 
 
 def _cmd_models_pull(args: argparse.Namespace) -> int:
@@ -287,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default=None, help="override frontend.host")
     up.add_argument("--port", type=int, default=None, help="override frontend.port (0: any free port)")
     up.set_defaults(func=_cmd_up)
+
+    fe = sub.add_parser(
+        "frontend",
+        help="run the HTTP front end alone (on a DPU), reaching the engine host's rings over NIXL",
+    )
+    fe.add_argument("profile", help="the same profile the engine host runs, with frontend.transport 'nixl'")
+    fe.add_argument("--host", default=None, help="override frontend.host")
+    fe.add_argument("--port", type=int, default=None, help="override frontend.port (0: any free port)")
+    fe.add_argument("--ready-file", type=Path, default=None, help="write the served URL here when ready")
+    fe.set_defaults(func=_cmd_frontend)
 
     check = sub.add_parser(
         "check",

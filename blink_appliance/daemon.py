@@ -47,6 +47,7 @@ log = logging.getLogger("blink_appliance.daemon")
 
 ENGINE_START_TIMEOUT_S = 600.0  # loading a big checkpoint on a slow disk
 FRONTEND_START_TIMEOUT_S = 120.0
+REMOTE_READ_GRACE_S = 0.5  # a remote front end's pump reads the shutdown terminals within this long
 _RESTART_WINDOW_S = 300.0  # engine_restarts counts crashes within this window
 
 
@@ -82,7 +83,8 @@ class _Child:
         # `kill -- -PGID`) reaches the daemon alone, which drains the front end before it stops the
         # engine. A child outlives a killed daemon by at most its parent watch's half second.
         env = {**os.environ, **self.env} if self.env else None
-        self.proc = subprocess.Popen(self.argv, start_new_session=True, env=env)
+        # Their stdout goes to our stderr: ours carries only the URL (a library may print to stdout).
+        self.proc = subprocess.Popen(self.argv, start_new_session=True, env=env, stdout=sys.stderr)
         say(f"{self.name} started (pid {self.proc.pid})")
 
     @property
@@ -165,20 +167,25 @@ class ApplianceDaemon:
             for i, m in enumerate(profile.models)
         ]
         self.mps: MpsControl | None = None
+        # The process that serves the rings to the front end: the front end itself, or with
+        # frontend.transport "nixl" the ring agent that lends them to a front end on another host.
+        self.remote_frontend = profile.frontend.transport == "nixl"
+        module, name = ("ring_agent", "ring agent") if self.remote_frontend else ("frontend", "frontend")
+        self._fe_label = "ring agent" if self.remote_frontend else "front end"  # in messages
         fe_argv = [
             py,
             "-m",
-            "blink_appliance.frontend",
+            f"blink_appliance.{module}",
             str(profile_path),
             "--ready-file",
             str(self._ready_file),
         ]
         fe_argv += ["--parent-pid", me]
-        if host is not None:
+        if host is not None and not self.remote_frontend:
             fe_argv += ["--host", host]
-        if port is not None:
+        if port is not None and not self.remote_frontend:
             fe_argv += ["--port", str(port)]
-        self.frontend = _Child("frontend", fe_argv)
+        self.frontend = _Child(name, fe_argv)
         self.url: str | None = None
 
     # The first model's engine and its watch: all there is in a one-model appliance.
@@ -320,12 +327,14 @@ class ApplianceDaemon:
             code = self.frontend.exited()
             if code is not None:
                 raise StartupError(
-                    f"the front end exited with code {code} while starting (see its output above)"
+                    f"the {self._fe_label} exited with code {code} while starting (see its output above)"
                 )
             if self._stop.is_set():
                 return
             if time.monotonic() > deadline:
-                raise StartupError(f"the front end did not start within {FRONTEND_START_TIMEOUT_S:.0f}s")
+                raise StartupError(
+                    f"the {self._fe_label} did not start within {FRONTEND_START_TIMEOUT_S:.0f}s"
+                )
             time.sleep(0.05)
         self.url = self._ready_file.read_text().strip()
 
@@ -338,7 +347,7 @@ class ApplianceDaemon:
                 self._watch_engine(e, regions)
             code = self.frontend.exited()
             if code is not None:
-                say(f"front end exited with code {code}")
+                say(f"{self._fe_label} exited with code {code}")
                 self._restart(self.frontend, self._start_frontend)
 
     def _watch_engine(self, e: ModelEngine, regions: Sequence[RingRegion]) -> None:
@@ -380,10 +389,15 @@ class ApplianceDaemon:
         """Front end first (it drains), then the engines; exit code 0 when all went cleanly."""
         say("draining")
         drain = self.profile.appliance.drain_timeout_s
-        fe_code = self.frontend.stop(drain + 10.0)
+        # A remote front end drains on its own host; the ring agent stays until the engines wrote
+        # their shutdown terminals, so that front end can read them.
+        fe_code = None if self.remote_frontend else self.frontend.stop(drain + 10.0)
         for region in regions:  # every engine starts stopping now, not after the one before it
             region.store("shutdown", 1)
         codes = {e.child.name: e.child.stop(15.0) for e in self.engines}
+        if self.remote_frontend:
+            time.sleep(REMOTE_READ_GRACE_S if self.frontend.exited() is None else 0.0)
+            fe_code = self.frontend.stop(10.0)
         if self.mps is not None:
             self.mps.stop()  # after the engines: they are its clients
         engines = ", ".join(f"{name} exit {code}" for name, code in codes.items())
@@ -408,7 +422,8 @@ def check_port(host: str, port: int, key: str = "frontend.port") -> None:
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise StartupError(f"frontend.host {host!r}: cannot be resolved ({e.strerror})") from None
+        where = "dpu.listen" if key == "dpu.port" else "frontend.host"
+        raise StartupError(f"{where} {host!r}: cannot be resolved ({e.strerror})") from None
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as sock:
             # The options asyncio's create_server sets: a port left in TIME_WAIT by a previous run
@@ -422,7 +437,11 @@ def check_port(host: str, port: int, key: str = "frontend.port") -> None:
                 hint = "is another server using it? " if e.errno == errno.EADDRINUSE else ""
                 raise StartupError(
                     f"{key}: cannot listen on {host}:{port} ({e.strerror}); {hint}"
-                    "choose another with --port or [frontend] port"
+                    + (
+                        "choose another [dpu] port"
+                        if key == "dpu.port"
+                        else "choose another with --port or [frontend] port"
+                    )
                 ) from None
 
 
@@ -431,7 +450,16 @@ def preflight(profile: Profile, *, port_key: str = "frontend.port") -> None:
     from blink_appliance.model.metadata import check_source_files
 
     fe = profile.frontend
-    check_port(fe.host, fe.port, port_key)
+    if fe.transport == "nixl" and profile.dpu is not None:
+        from blink_appliance.wire.handshake import load_secret
+
+        check_port(profile.dpu.listen, profile.dpu.port, "dpu.port")
+        try:
+            load_secret(profile.dpu.secret_file)  # the ring agent stops on a bad one: say so now
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+    else:
+        check_port(fe.host, fe.port, port_key)
     for i, m in enumerate(profile.models):
         try:
             check_source_files(m.model_source)

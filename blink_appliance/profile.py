@@ -1,9 +1,7 @@
 """The appliance profile: one TOML file that says what to serve, where, and within which limits.
 
 Loaded with tomllib into pydantic models that forbid unknown keys, so a typo is an error naming
-its key path (`models[0].kv_fration: unknown key`), never a silently ignored setting. Keys whose
-feature is not built yet are accepted by the schema only to be refused with a message that says
-so. A profile serves one or more models, each on a ring region of its own (`region_name`,
+its key path (`models[0].kv_fration: unknown key`), never a silently ignored setting. A profile serves one or more models, each on a ring region of its own (`region_name`,
 `ring_geometry`) served by an engine process of its own; the engine sizes the rest
 from the model's architecture (engine/plan.py), and `blink-appliance check` prints that plan.
 """
@@ -33,9 +31,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from blink_appliance.wire.link_settings import DpuSection
 from blink_appliance.wire.ring_layout import RingGeometry
 
-NOT_BUILT = "not built yet"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -186,7 +184,9 @@ class FrontendSection(_Section):
     host: str = "127.0.0.1"  # loopback unless the profile says otherwise
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (printed when ready)
     cpus: list[int] = Field(default_factory=list)  # pin the front-end process (empty: no pinning)
-    transport: Literal["shm", "rdma"] = "shm"
+    # "shm": the front end shares the engine host's memory; "nixl": it reaches the rings over the
+    # network through NIXL, from wherever [dpu] says it runs (docs/dpu.md).
+    transport: Literal["shm", "nixl", "rdma"] = "shm"
     max_request_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies get 413
     max_inflight: int = Field(default=256, ge=1, le=65536)  # requests admitted at once; more get 503
     # Bearer keys: a string, or a table {key = "...", priority = N} whose requests run in class N
@@ -204,7 +204,7 @@ class FrontendSection(_Section):
     @classmethod
     def _transport_built(cls, v: str) -> str:
         if v == "rdma":
-            raise ValueError(f"'rdma': {NOT_BUILT} (the DPU transport has not landed; use 'shm')")
+            raise ValueError("'rdma' is spelled 'nixl': NIXL's UCX backend does RDMA where the NIC has it")
         return v
 
     @field_validator("api_keys")
@@ -269,7 +269,7 @@ class Profile(_Section):
     frontend: FrontendSection = Field(default_factory=FrontendSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
-    dpu: dict[str, Any] | None = None
+    dpu: DpuSection | None = None
 
     @field_validator("models")
     @classmethod
@@ -278,12 +278,16 @@ class Profile(_Section):
             raise ValueError("at least one [[models]] entry is required")
         return v
 
-    @field_validator("dpu")
-    @classmethod
-    def _dpu_refused(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            raise ValueError(f"the [dpu] section is {NOT_BUILT} (RDMA front end); remove it")
-        return v
+    @model_validator(mode="after")
+    def _dpu_with_nixl(self) -> Profile:
+        nixl = self.frontend.transport == "nixl"
+        if nixl and self.dpu is None:
+            raise ValueError("frontend.transport 'nixl' needs a [dpu] section (where the front end runs)")
+        if not nixl and self.dpu is not None:
+            raise ValueError(
+                f"dpu: used only with frontend.transport = 'nixl' (it is {self.frontend.transport!r})"
+            )
+        return self
 
     @property
     def model(self) -> ModelSection:

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from aiohttp import web
 
@@ -31,7 +31,7 @@ from blink_appliance.profile import (
 )
 
 if TYPE_CHECKING:
-    from blink_appliance.frontend.engine_links import EngineLink
+    from blink_appliance.frontend.engine_links import EngineLinks
     from blink_appliance.frontend.model_router import ModelRouter
     from blink_appliance.frontend.token_id_vocabulary import TokenIdVocabulary
 
@@ -68,12 +68,16 @@ def _gpu_index(models: list[ModelSection]) -> int:
     return int(device.partition(":")[2] or 0)
 
 
-async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | None) -> None:
+async def serve(
+    profile: Profile, ready_file: Path | None, parent_pid: int | None, *, url_out: TextIO | None = None
+) -> None:
     # First: a SIGTERM while this process starts must still end in the drain below (exit 0), not in
     # the default action; and none can arrive between listening and having a handler.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if url_out is not None:  # standalone, no daemon to decide: Ctrl-C drains too
+        loop.add_signal_handler(signal.SIGINT, stop.set)
     if parent_pid is not None:
         watch_parent(parent_pid, lambda: loop.call_soon_threadsafe(stop.set))
     from blink_appliance.frontend.app import create_app, runner_for
@@ -88,7 +92,8 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     )
     geometries = [ring_geometry(profile, i) for i in range(len(models))]
     plans = [RegionPlan(m.name, region_name(profile, i), geometries[i]) for i, m in enumerate(models)]
-    links = await attach_engines(plans, request_timeout_s=fe.request_timeout_s)
+    dpu = profile.dpu if fe.transport == "nixl" else None
+    links = await attach_engines(plans, request_timeout_s=fe.request_timeout_s, dpu=dpu)
     try:
         router, telemetry = _services(profile, links, tokenizers, geometries, parent_pid)
         app = create_app(
@@ -116,6 +121,8 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
     host = f"[{fe.host}]" if ":" in fe.host else fe.host
     url = f"http://{host}:{port}"
     log.info("front end serving %s on %s", ", ".join(router.names), url)
+    if url_out is not None:
+        print(url, file=url_out, flush=True)  # as `up` does: stdout carries only the URL, for scripts
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(url)
@@ -136,7 +143,7 @@ async def serve(profile: Profile, ready_file: Path | None, parent_pid: int | Non
 
 def _services(
     profile: Profile,
-    links: list[EngineLink],
+    links: EngineLinks,
     tokenizers: list[Any],
     geometries: list[RingGeometry],
     parent_pid: int | None,
@@ -158,7 +165,10 @@ def _services(
 
     def appliance_processes() -> dict[str, int | None]:
         # Each engine's pid from its ring header, read each sample: it changes when the daemon
-        # restarts that engine. The daemon is this process's parent (--parent-pid).
+        # restarts that engine. The daemon is this process's parent (--parent-pid). Over NIXL they
+        # are another host's processes, which this host cannot sample.
+        if links.remote is not None:
+            return {"frontend": os.getpid()}
         engines = {
             "engine" if one else f"engine:{link.model}": link.client.region.load("engine_pid")
             for link in links
@@ -220,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the served URL here when ready")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--standalone", action="store_true", help="no daemon: SIGINT drains as SIGTERM does")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Until serve() puts the loop's handler in its place: nothing is accepted yet, so just exit.
@@ -232,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=profile.appliance.log_level.upper(), format="[frontend] %(levelname)s %(name)s: %(message)s"
     )
+    url_out = None
+    if args.standalone:  # the URL alone on stdout; whatever libraries print there (UCX) goes to stderr
+        url_out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     try:
-        asyncio.run(serve(profile, args.ready_file, args.parent_pid))
+        asyncio.run(serve(profile, args.ready_file, args.parent_pid, url_out=url_out))
     except ProfileError as e:
         print(f"[frontend] {e}", file=sys.stderr)
         return 2

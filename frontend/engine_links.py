@@ -1,17 +1,25 @@
-"""The front end's link to each model's engine: the model's ring region (shared memory the daemon
-created) and a started EngineClient on it. Start-up needs every one: a region that cannot be
-opened ends it with a ProfileError naming the model and the region, and the links made before it
-are closed again."""
+"""The front end's link to each model's engine: the model's ring region and a started EngineClient on
+it. With `frontend.transport = "shm"` the region is the shared memory the daemon created on this
+host; with "nixl" it is reached over the network through the engine host's ring agent
+(remote_rings.py). Start-up needs every one: a region that cannot be opened ends it with a
+ProfileError naming the model and the region, and the links made before it are closed again."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import asyncio
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from blink_appliance.frontend.remote_rings import CONTROL_INTERVAL_S, RemoteRings
 
 from blink_appliance.profile import ProfileError
 from blink_appliance.wire.client import EngineClient
+from blink_appliance.wire.link_settings import DpuSection
+from blink_appliance.wire.remote_client import RemoteEngineClient
 from blink_appliance.wire.ring_layout import RingGeometry
 from blink_appliance.wire.shm_transport import ShmTransport
+from blink_appliance.wire.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,7 @@ class RegionPlan:
 @dataclass
 class EngineLink:
     plan: RegionPlan
-    transport: ShmTransport
+    transport: Transport | None  # the shm mapping this link owns (None: the remote rings own theirs)
     client: EngineClient
 
     @property
@@ -34,16 +42,68 @@ class EngineLink:
         return self.plan.model
 
 
-async def attach_engines(plans: Iterable[RegionPlan], *, request_timeout_s: float) -> list[EngineLink]:
-    """One started EngineClient per region, in the order given."""
-    links: list[EngineLink] = []
+@dataclass
+class EngineLinks:
+    """Every model's link, and for remote rings the task that makes their link again when lost."""
+
+    links: list[EngineLink]
+    remote: RemoteRings | None = None
+    supervisor: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def __iter__(self):  # noqa: ANN204 - an iterator of EngineLink
+        return iter(self.links)
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    def __getitem__(self, i: int) -> EngineLink:
+        return self.links[i]
+
+
+async def attach_engines(
+    plans: Iterable[RegionPlan], *, request_timeout_s: float, dpu: DpuSection | None = None
+) -> EngineLinks:
+    """One started EngineClient per region, in the order given: over shared memory, or over NIXL
+    when `dpu` says where the ring agent is."""
+    plans = list(plans)
+    if dpu is not None:
+        return await _attach_remote(plans, request_timeout_s, dpu)
+    links = EngineLinks([])
     try:
         for i, plan in enumerate(plans):
-            links.append(_open(i, plan, request_timeout_s))
-            await links[-1].client.start()
+            links.links.append(_open(i, plan, request_timeout_s))
+            await links.links[-1].client.start()
     except BaseException:
         await detach_engines(links)
         raise
+    return links
+
+
+async def _attach_remote(
+    plans: Sequence[RegionPlan], request_timeout_s: float, dpu: DpuSection
+) -> EngineLinks:
+    remote = RemoteRings(dpu, [p.model for p in plans])
+    links = EngineLinks([], remote)
+    try:
+        remote.link = await remote.connect(forever=False)
+        for i, plan in enumerate(plans):
+            try:
+                region = remote.region(remote.link, i, plan.geometry)
+            except (OSError, ValueError) as e:  # a region laid out for another geometry (another profile)
+                raise ProfileError(
+                    f"models[{i}] ({plan.model}): the remote ring region does not match: {e}"
+                ) from None
+            client = RemoteEngineClient(
+                region, request_timeout_s=request_timeout_s, control_interval_s=CONTROL_INTERVAL_S
+            )
+            links.links.append(EngineLink(plan, None, client))
+            await client.start()
+    except BaseException:
+        await detach_engines(links)
+        raise
+    links.supervisor = asyncio.get_running_loop().create_task(
+        remote.supervise([link.client for link in links]), name="remote-rings"
+    )
     return links
 
 
@@ -61,8 +121,15 @@ def _open(index: int, plan: RegionPlan, request_timeout_s: float) -> EngineLink:
     return EngineLink(plan, transport, client)
 
 
-async def detach_engines(links: Iterable[EngineLink]) -> None:
+async def detach_engines(links: EngineLinks) -> None:
     """Close every client (cancelling what is still open) and then its region."""
+    if links.supervisor is not None:
+        links.supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await links.supervisor
     for link in links:
         await link.client.close()
-        link.transport.close()
+        if link.transport is not None:
+            link.transport.close()
+    if links.remote is not None:
+        links.remote.close()

@@ -115,7 +115,7 @@ def start_profile(directory: Path, profile: Path) -> LiveAppliance:
     reader.start()
     reader.join(START_TIMEOUT_S)
     app = LiveAppliance(proc, url[0] if url else "", log_path)
-    if not app.url.startswith("http://"):
+    if not app.url.startswith(("http://", "nixl://")):  # nixl: the ring agent's address, no HTTP here
         app.stop(10)
         raise RuntimeError(f"appliance did not come up (exit {proc.poll()}):\n{app.log()}")
     return app

@@ -54,6 +54,13 @@ _PROBE = textwrap.dedent(
                     if target.startswith("blink_appliance"):
                         raise  # optional libraries may be missing; the project's modules may not
 
+    # The NIXL front end's agent too (frontend.transport "nixl"), where NIXL is installed.
+    from blink_appliance.wire.nixl_agent import NixlUnavailableError, make_agent
+    try:
+        make_agent("import-probe", progress_thread=False)
+    except NixlUnavailableError:
+        pass
+
     from blink_appliance.frontend.__main__ import serving_tokenizer
 
     sizes = {source: serving_tokenizer(source).vocab_size for source in sys.argv[1:]}

@@ -36,6 +36,7 @@ AREAS = {
     "blink_appliance.bench": "bench",
     "blink_appliance.daemon": "daemon",
     "blink_appliance.gpu_sharing": "gpu sharing",
+    "blink_appliance.ring_agent": "ring agent",
     "blink_appliance.cli": "cli",
     "blink_appliance": "package",
 }
@@ -57,8 +58,10 @@ MAY_IMPORT = {
     "tui": {"telemetry"},
     "bench": {"telemetry", "model"},
     "gpu sharing": {"profile"},
+    "ring agent": {"wire", "processes", "profile"},
     "daemon": {"wire", "processes", "model", "profile", "telemetry", "gpu sharing"},
-    "cli": _ENGINE | {"reference engine", "loop engine", "engine", "daemon", "tui", "bench", "gpu sharing"},
+    "cli": _ENGINE
+    | {"reference engine", "loop engine", "engine", "daemon", "tui", "bench", "gpu sharing", "frontend"},
 }
 # Libraries the front end never loads: it runs on a DPU's Arm cores, where none of them is installed.
 GPU_LIBRARIES = {"torch", "triton", "cupy", "cuda"}

@@ -62,7 +62,17 @@ def test_gpu_example_profile_is_the_loop_on_cuda():
         ({"model": {"sm_count": 66}}, "models[0].sm_count: SM partitions are for models the GPU loop"),
         ({"model": {"device": "cuda:0", "sm_count": 0}}, "models[0].sm_count: Input should be greater"),
         ({"model": {"max_output_tokens": 256}}, "max_output_tokens (256) must be < max_model_len (256)"),
-        ({"frontend": {"transport": "rdma"}}, "frontend.transport: 'rdma': not built yet"),
+        ({"frontend": {"transport": "rdma"}}, "frontend.transport: 'rdma' is spelled 'nixl'"),
+        ({"frontend": {"transport": "nixl"}}, "frontend.transport 'nixl' needs a [dpu] section"),
+        ({"dpu": {"listen": "10.0.0.1"}}, "dpu: used only with frontend.transport = 'nixl'"),
+        (
+            {"frontend": {"transport": "nixl"}, "dpu": {"listen": "0.0.0.0"}},
+            "dpu.listen: '0.0.0.0' listens on every interface",
+        ),
+        (
+            {"frontend": {"transport": "nixl"}, "dpu": {"ucx_devices": ["mlx5_0:1", "a b"]}},
+            "dpu.ucx_devices[1]: 'a b' is not a UCX device",
+        ),
         ({"frontend": {"port": 70000}}, "frontend.port"),
         # The entry is named since keys may be tables (issue 22).
         (
@@ -94,7 +104,7 @@ def test_gpu_example_profile_is_the_loop_on_cuda():
         ({"model": {"priority": "3"}}, "models[0].priority: Input should be a valid integer"),
         ({"model": {"priority": 1.0}}, "models[0].priority: Input should be a valid integer"),
         ({"model": {"priority": -(2**31) - 1}}, "models[0].priority: Input should be greater than or equal"),
-        ({"dpu": {"nic": "mlx5_0"}}, "dpu: the [dpu] section is not built yet"),
+        ({"frontend": {"transport": "nixl"}, "dpu": {"nic": "mlx5_0"}}, "dpu.nic: unknown key"),
         ({"appliance": {"shm_name": "a/b"}}, "appliance.shm_name: must be 1-200 characters"),
     ],
 )

@@ -92,6 +92,19 @@ def test_exec_start_pre_loads_no_weights(unit):
             assert argv[argv.index("check") :] == ["check", "/etc/blink-appliance/profile.toml"], command
 
 
+def test_frontend_unit_runs_the_dpu_front_end_on_a_profile():
+    # The DPU role (transport "nixl"): `blink-appliance frontend` on the same profile as the GPU host.
+    s = service(FRONTEND)
+    assert s["ExecStart"] == [
+        f"{INSTALL_PREFIX}/bin/blink-appliance frontend /etc/blink-appliance/profile.toml"
+    ]
+    # `check` imports torch (checkpoint metadata, CUDA devices), which a DPU does not have.
+    assert "ExecStartPre" not in s
+    assert "NOT BUILT" not in FRONTEND.read_text()
+    # The shared secret may come from the env file (BLINK_DPU_SECRET).
+    assert any(v.lstrip("-") == "/etc/blink-appliance/env" for v in s["EnvironmentFile"])
+
+
 def test_appliance_unit_checks_the_profile_before_start():
     assert service(APPLIANCE)["ExecStartPre"] == [
         f"{INSTALL_PREFIX}/bin/blink-appliance check /etc/blink-appliance/profile.toml"
@@ -143,9 +156,11 @@ def test_frontend_unit_has_no_devices():
 
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
-def test_network_is_inet_and_unix_only(unit):
+def test_network_is_inet_unix_and_netlink_only(unit):
+    # AF_NETLINK: UCX (NIXL's backend, transport "nixl") and the ring agent find network interfaces
+    # with getifaddrs(), which uses a netlink socket; without it NIXL's UCX backend fails to start.
     families = set(" ".join(service(unit)["RestrictAddressFamilies"]).split())
-    assert families == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    assert families == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
 
 
 def _analyze() -> str:

@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from blink_appliance.wire.channels import ChannelBounds, Pending, terminal_written
-from blink_appliance.wire.region import RingRegion
+from blink_appliance.wire.engine_watch import EngineWatch
+from blink_appliance.wire.region import RingRegion, checked_submission
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
 from blink_appliance.wire.ring_cursor import RingCursor
 from blink_appliance.wire.ring_layout import (
     FINAL_BIT,
-    EngineState,
     RingGeometry,
 )
 from blink_appliance.wire.transport import Transport
@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 # A stall shorter than this (a busy host, a stopped process that resumes) makes streams wait; an engine
 # that exits is seen at once through engine_state, which the engine or the daemon sets.
 ENGINE_STALL_LIMIT_S = 10.0
-# How long engine_state must read other than RUNNING, after it read RUNNING, before the engine counts
-# as gone: a live engine puts a stray write back within a heartbeat (wire/lifecycle.py Heartbeat.hold).
-STATE_GRACE_S = 0.25
 # How often the pump looks for requests past their deadline and checks the ring's words.
 TIMEOUT_CHECK_NS = 100_000_000
 # Request ids, generations and epochs wrap below these instead of overflowing their u64 words: a word
@@ -64,15 +61,22 @@ class EngineClient:
         spin_s: float = 0.0005,
         payload_timeout_s: float = 1.0,
         ring_repair_limit_s: float = ENGINE_STALL_LIMIT_S,
+        control_interval_s: float = 0.0,
     ) -> None:
         self.region = region
         self.geometry = region.geometry
-        self.stall_limit_ns = int(stall_limit_s * 1e9)
+        self._watch = EngineWatch(stall_limit_s)
         # A request not finished this long after its submit is cancelled and ends with an error
         # event (0: no limit); checked by the pump every TIMEOUT_CHECK_NS.
         self.request_timeout_ns = int(request_timeout_s * 1e9)
         self._timeouts_checked_ns = 0
         self.poll_interval_s = poll_interval_s
+        # How often the pump writes our heartbeat and reads the engine's (0: every pass). Over a
+        # network link each is a round trip, and the limits they serve are seconds.
+        self.control_interval_ns = int(control_interval_s * 1e9)
+        self._control_checked_ns = 0
+        self._alive = False  # engine_alive at the last check
+        self._lost: str | None = None  # why the transport's link failed (remote_client.py; None: it works)
         # After activity, poll without sleeping this long: asyncio sleeps round up to 1 ms.
         self.spin_ns = int(spin_s * 1e9)
         # A count may be seen before the token and stamp it covers have arrived (a weakly ordered
@@ -90,9 +94,7 @@ class EngineClient:
         self._free: deque[int] = deque()
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
-        self._beat_value = 0
-        self._beat_seen_ns = 0
-        self._state_bad_since_ns: int | None = 0  # not RUNNING since then (None: RUNNING); 0: never seen it
+        self._ring_repair_limit_s = ring_repair_limit_s
         self._ring = RingCursor(region, ring_repair_limit_s)
         self._next_id = 0
 
@@ -105,6 +107,15 @@ class EngineClient:
         """Take the producer role and start the pump on the running loop."""
         if self._pump is not None:
             raise RuntimeError("EngineClient already started")
+        self._take_region()
+        self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="engine-client-pump")
+        # Give a live engine a moment to show a heartbeat, so the first submit does not see it dead.
+        deadline = time.monotonic() + 0.25
+        while not self.engine_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    def _take_region(self) -> None:
+        """Take the producer role on the region: our epoch and heads, and the free slots."""
         r = self.region
         r.store("frontend_epoch", r.load("frontend_epoch") % U64_MAX + 1)
         r.store("frontend_pid", os.getpid())
@@ -123,13 +134,7 @@ class EngineClient:
                 self._tracked_gen[slot] = gen
                 self._bounds.claim(slot, done, self.geometry.max_output_tokens)
                 r.store_ctl(slot, "cancel", gen)
-        self._beat_value = r.load("engine_heartbeat_ns")
-        self._beat_seen_ns = time.monotonic_ns() - self.stall_limit_ns - 1
-        self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="engine-client-pump")
-        # Give a live engine a moment to show a heartbeat, so the first submit does not see it dead.
-        deadline = time.monotonic() + 0.25
-        while not self.engine_alive and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        self._watch.restart(r)
 
     async def close(self) -> None:
         """Cancel what is in flight (the engine frees it) and end every open stream."""
@@ -149,25 +154,13 @@ class EngineClient:
         """Publish one request; returns its id. Never blocks: a full ring raises EngineBusyError."""
         if self._pump is None or self._closed:
             raise RuntimeError("EngineClient is not started (await start()) or already closed")
-        g = self.geometry
-        params.validate()
-        prompt = np.asarray(prompt_token_ids, dtype=np.int64)
-        if prompt.ndim != 1 or not 1 <= prompt.size <= g.max_prompt_tokens:
-            raise ValueError(f"prompt must hold 1 to {g.max_prompt_tokens} token ids, got {prompt.size}")
-        if prompt.min() < 0 or prompt.max() >= 2**31:
-            raise ValueError("prompt token ids must be in [0, 2**31)")
-        if params.max_tokens > g.max_output_tokens:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} exceeds this server's limit {g.max_output_tokens}"
-            )
-        if len(params.stop_token_ids) > g.max_stop_ids:
-            raise ValueError(f"at most {g.max_stop_ids} stop token ids, got {len(params.stop_token_ids)}")
-        if any(not 0 <= t < 2**31 for t in params.stop_token_ids):
-            raise ValueError("stop token ids must be in [0, 2**31)")
-        if not -(2**31) <= priority < 2**31:
-            raise ValueError(f"priority must fit in int32, got {priority}")
+        prompt = checked_submission(prompt_token_ids, params, priority, self.geometry)
         if not self.engine_alive:
             raise EngineDeadError(f"engine is not running ({self._why_dead()})")
+        return self._publish(prompt, params, priority)
+
+    def _publish(self, prompt: np.ndarray, params: SamplingParams, priority: int) -> int:
+        g = self.geometry
         r = self.region
         ring = self._ring
         tails = ring.check(time.monotonic_ns())
@@ -272,31 +265,12 @@ class EngineClient:
     # -- engine liveness and telemetry -------------------------------------------------------------
     @property
     def engine_alive(self) -> bool:
-        """RUNNING (or away from it for less than STATE_GRACE_S) and its heartbeat advanced within
-        the last `stall_limit_s` (our own clock)."""
-        now = time.monotonic_ns()
-        beat = self.region.load("engine_heartbeat_ns")
-        if beat != self._beat_value:
-            self._beat_value, self._beat_seen_ns = beat, now
-        if self.region.load("engine_state") == EngineState.RUNNING:
-            self._state_bad_since_ns = None
-        elif self._state_bad_since_ns is None:
-            self._state_bad_since_ns = now
-        state_ok = self._state_bad_since_ns is None or (
-            self._state_bad_since_ns > 0 and now - self._state_bad_since_ns < STATE_GRACE_S * 1e9
-        )
-        return state_ok and now - self._beat_seen_ns <= self.stall_limit_ns
+        """The engine's state and heartbeat say it serves (engine_watch.py)."""
+        return self._watch.alive(self.region)
 
     def _why_dead(self) -> str:
-        """Which half of `engine_alive` failed, for the error a caller sees."""
-        state = self.region.load("engine_state")
-        if state != EngineState.RUNNING:
-            try:
-                return f"engine state {EngineState(state).name}"
-            except ValueError:
-                return f"engine state word {state}"
-        age_s = (time.monotonic_ns() - self._beat_seen_ns) / 1e9
-        return f"heartbeat last advanced {age_s:.1f} s ago, limit {self.stall_limit_ns / 1e9:g} s"
+        """Why `engine_alive` is false, for the error a caller sees."""
+        return self._watch.why_dead(self.region)
 
     def telemetry(self) -> dict[str, int | float]:
         r = self.region
@@ -324,20 +298,29 @@ class EngineClient:
     async def _run_pump(self) -> None:
         while True:
             now = time.monotonic_ns()
-            self.region.store("frontend_heartbeat_ns", now)
-            if self._poll_channels():
-                self._active_ns = now
-            if not self.engine_alive and any(not p.terminated for p in self._by_id.values()):
-                self._fail_pending(f"engine is dead: {self._why_dead()}")
-            if now - self._timeouts_checked_ns > TIMEOUT_CHECK_NS:
-                self._timeouts_checked_ns = now
-                if self.request_timeout_ns:
-                    self._fail_late(now)
-                self._ring.check(now)  # heads held, and tails followed without waiting for traffic
-            if bool(self._by_slot) and now - self._active_ns < self.spin_ns:
+            if self._lost is None:
+                self._pump_pass(now)
+            if self._lost is None and bool(self._by_slot) and now - self._active_ns < self.spin_ns:
                 await asyncio.sleep(0)
             else:
                 await self._nap(self.poll_interval_s)
+
+    def _pump_pass(self, now: int) -> None:
+        control = now - self._control_checked_ns >= self.control_interval_ns
+        if control:
+            self._control_checked_ns = now
+            self.region.store("frontend_heartbeat_ns", now)
+        if self._poll_channels():
+            self._active_ns = now
+        if control:
+            self._alive = self._watch.alive(self.region)
+        if not self._alive and any(not p.terminated for p in self._by_id.values()):
+            self._fail_pending(f"engine is dead: {self._why_dead()}")
+        if now - self._timeouts_checked_ns > TIMEOUT_CHECK_NS:
+            self._timeouts_checked_ns = now
+            if self.request_timeout_ns:
+                self._fail_late(now)
+            self._ring.check(now)  # heads held, and tails followed without waiting for traffic
 
     async def _nap(self, seconds: float) -> None:
         """Sleep that `submit` can cut short (no syscall: just resolves a future on this loop)."""

@@ -224,3 +224,25 @@ def header_fault(transport: Transport, geometry: RingGeometry) -> str | None:
         if int(have[name]) != want:
             return f"header field {name} is {int(have[name])}, expected {want}"
     return None
+
+
+def checked_submission(
+    prompt_token_ids: list[int], params: SamplingParams, priority: int, geometry: RingGeometry
+) -> np.ndarray:
+    """The prompt as int64 ids, once the request fits the ring's limits; ValueError naming what does not."""
+    g = geometry
+    params.validate()
+    prompt = np.asarray(prompt_token_ids, dtype=np.int64)
+    if prompt.ndim != 1 or not 1 <= prompt.size <= g.max_prompt_tokens:
+        raise ValueError(f"prompt must hold 1 to {g.max_prompt_tokens} token ids, got {prompt.size}")
+    if prompt.min() < 0 or prompt.max() >= 2**31:
+        raise ValueError("prompt token ids must be in [0, 2**31)")
+    if params.max_tokens > g.max_output_tokens:
+        raise ValueError(f"max_tokens {params.max_tokens} exceeds this server's limit {g.max_output_tokens}")
+    if len(params.stop_token_ids) > g.max_stop_ids:
+        raise ValueError(f"at most {g.max_stop_ids} stop token ids, got {len(params.stop_token_ids)}")
+    if any(not 0 <= t < 2**31 for t in params.stop_token_ids):
+        raise ValueError("stop token ids must be in [0, 2**31)")
+    if not -(2**31) <= priority < 2**31:
+        raise ValueError(f"priority must fit in int32, got {priority}")
+    return prompt

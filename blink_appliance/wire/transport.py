@@ -10,6 +10,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 
+class TransportLost(ConnectionError):
+    """The link behind a remote transport failed; nothing more goes through it (shared memory never
+    raises it). The client fails its open streams and waits to be rebound to a new link."""
+
+
 class Transport(ABC):
     """A mapped region of `size` bytes with ordered writes.
 

@@ -1,0 +1,112 @@
+"""Run by tests/test_nixl_link.py in a child process: two NIXL agents in this process, a target lending
+a buffer (as the ring agent lends a region) and a NixlLink to it; prints one JSON line of what the
+order checks saw (docs/protocol.md, "Publication order", over NIXL)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+
+from blink_appliance.wire.handshake import Offer, RemoteRegion
+from blink_appliance.wire.nixl_agent import make_agent
+from blink_appliance.wire.nixl_transport import NixlLink
+from blink_appliance.wire.transport import TransportLost
+
+PAYLOAD, WORD, N = 4096, 0, 600
+
+
+def write_order(memory: np.ndarray, link: NixlLink) -> dict:
+    """Payload then word through the link; a reader thread on the target checks payload >= word."""
+    transport = link.transport("m")
+    word = memory[WORD : WORD + 8].view("<u8")
+    payload = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    word[0] = 0
+    done = threading.Event()
+    violations: list[tuple[int, int]] = []
+    checks = [0]
+
+    def reader() -> None:
+        while not done.is_set():
+            seen = int(word[0])
+            low = int(payload.min())
+            checks[0] += 1
+            if low < seen:
+                violations.append((seen, low))
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    for i in range(1, N + 1):
+        transport.write(PAYLOAD, np.full(512, i, dtype="<u8"))
+        transport.store_u64(WORD, i)
+    done.set()
+    thread.join()
+    return {"n": N, "final_word": int(word[0]), "final_payload_min": int(payload.min()),
+            "checks": checks[0], "violations": violations[:5]}  # fmt: skip
+
+
+def read_order(memory: np.ndarray, link: NixlLink) -> dict:
+    """The target writes payload then word; READs of the word, then the payload, find payload >= word."""
+    transport = link.transport("m")
+    word = memory[WORD : WORD + 8].view("<u8")
+    payload = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    done = threading.Event()
+
+    def writer() -> None:
+        i = 10**6
+        while not done.is_set():
+            i += 1
+            payload[:] = i
+            word[0] = i
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    violations, seen = [], 0
+    try:
+        for _ in range(N):
+            seen = transport.load_u64(WORD)
+            low = int(np.frombuffer(transport.read(PAYLOAD, 4096), dtype="<u8").min())
+            if low < seen:
+                violations.append((seen, low))
+    finally:
+        done.set()
+        thread.join()
+    return {"last_seen": seen, "violations": violations[:5]}
+
+
+def lost_link(memory: np.ndarray, link: NixlLink) -> dict:
+    def outcome(call) -> str:  # noqa: ANN001
+        try:
+            call()
+        except (ValueError, TransportLost) as e:
+            return type(e).__name__
+        return "nothing raised"
+
+    transport = link.transport("m")
+    result = {
+        "out_of_region": outcome(lambda: transport.read(len(memory) - 4, 8)),
+        "unknown_model": outcome(lambda: link.transport("other")),
+    }
+    link.mark_lost("test")
+    result["load_after_lost"] = outcome(lambda: transport.load_u64(0))
+    result["store_after_lost"] = outcome(lambda: transport.store_u64(0, 1))
+    return result
+
+
+def main() -> None:
+    memory = np.zeros(1 << 16, dtype=np.uint8)
+    target = make_agent("probe-target", progress_thread=True)
+    target.register_memory([(memory.ctypes.data, memory.nbytes, 0, "")], "DRAM")
+    region = RemoteRegion("m", memory.ctypes.data, memory.nbytes)
+    link = NixlLink(
+        make_agent("probe-initiator", progress_thread=False),
+        Offer("i", target.name, target.get_agent_metadata(), (region,)),
+    )
+    report = {"write_order": write_order(memory, link), "read_order": read_order(memory, link)}
+    report["lost_link"] = lost_link(memory, link)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
