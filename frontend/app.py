@@ -13,6 +13,7 @@ from blink_appliance.frontend.completion_service import CompletionService
 from blink_appliance.frontend.errors import APIError
 from blink_appliance.frontend.model_router import ModelRouter
 from blink_appliance.frontend.openai_schema import now_s
+from blink_appliance.frontend.tokenize_routes import add_tokenize_routes
 
 from blink_appliance.telemetry.source import TelemetrySource
 
@@ -76,6 +77,7 @@ def create_app(
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", handlers.metrics)
+    add_tokenize_routes(app)
     if telemetry is not None:
         from blink_appliance.frontend.telemetry_routes import add_telemetry_routes
 

@@ -1,4 +1,5 @@
-"""Optional bearer API keys: with keys configured, /v1/* and /telemetry* need `Authorization: Bearer <key>`.
+"""Optional bearer API keys: with keys configured, /v1/*, /telemetry*, /tokenize and /detokenize need
+`Authorization: Bearer <key>`.
 
 /health and /metrics stay open so load balancers and Prometheus need no secret (they reveal no
 request content). A key may carry a priority class (`[frontend] api_keys` tables): the middleware
@@ -18,7 +19,7 @@ from aiohttp import web
 from blink_appliance.frontend.errors import APIError
 
 API_KEY_ENV = "BLINK_API_KEY"
-_PROTECTED_PREFIXES = ("/v1/", "/telemetry")
+_PROTECTED_PREFIXES = ("/v1/", "/telemetry", "/tokenize", "/detokenize")
 # Where the middleware leaves the matched key's class (int or None) on the aiohttp request.
 KEY_PRIORITY = "blink.key_priority"
 

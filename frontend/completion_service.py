@@ -158,7 +158,7 @@ class CompletionService:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
-            ids = await self._encode(prompt, add_special_tokens=True)
+            ids = await self.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
             self._check_ids(ids, "prompt")
@@ -168,23 +168,31 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
-        messages = req.template_messages()
+        ids = await self.chat_prompt_ids(req.template_messages())
+        return self._prepared(req, ids, req.token_limit, default_max=None, key_priority=key_priority)
+
+    async def chat_prompt_ids(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The ids the model's chat template makes of `messages` (chat completions and /tokenize)."""
         try:
             templated = await self._off_loop_if_long(
                 sum(len(str(m.get("content") or "")) for m in messages),
-                self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
             )  # fmt: skip
         except APIError:  # the tokenizer's own refusal (a model without a chat template)
             raise
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
         if isinstance(templated, str):
-            ids = await self._encode(templated, add_special_tokens=False)
-        else:
-            ids = list(templated)
-        return self._prepared(req, ids, req.token_limit, default_max=None, key_priority=key_priority)
+            return await self.encode(templated, add_special_tokens=add_special_tokens)
+        return list(templated)
 
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(
             await self._off_loop_if_long(
                 len(text), self.tokenizer.encode, text, add_special_tokens=add_special_tokens

@@ -42,7 +42,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-async def _json_body(request: web.Request) -> Any:
+async def json_body(request: web.Request) -> Any:
     limit = request.app[BODY_TIMEOUT_S]
     try:  # over client_max_size: aiohttp raises 413, the error middleware shapes it
         raw = await asyncio.wait_for(request.read(), limit)
@@ -85,7 +85,7 @@ def _failure(e: EngineFailure) -> APIError:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    req = parse_request(CompletionRequest, await _json_body(request))
+    req = parse_request(CompletionRequest, await json_body(request))
     service = request.app[MODELS].service_for(req.model)
     prep = await service.prepare_completion(req, request.get(KEY_PRIORITY))
     model = service.limits.model_name
@@ -105,7 +105,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req = parse_request(ChatCompletionRequest, await _json_body(request))
+    req = parse_request(ChatCompletionRequest, await json_body(request))
     service = request.app[MODELS].service_for(req.model)
     prep = await service.prepare_chat(req, request.get(KEY_PRIORITY))
     model = service.limits.model_name

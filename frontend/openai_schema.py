@@ -213,10 +213,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages
-        ]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: role and text."""
+    # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)

@@ -111,6 +111,41 @@ async def test_prompt_as_token_ids_equals_text_prompt(live):
     assert by_ids["usage"]["prompt_tokens"] == len(ids)
 
 
+async def test_tokenize_gives_the_ids_completions_use_and_detokenize_inverts_it(live):
+    """vLLM's /tokenize: the ids are the ones a completion's and a chat's prompt_tokens count; HF
+    transformers' tokenizer (loaded from the same GGUF) gives the same ids; /detokenize returns the text."""
+    text = "Once upon a time, in a land far away"
+    status, tok, _ = await post_json(live, "/tokenize", {"model": MODEL_NAME, "prompt": text})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    assert tok["token_strs"] is None
+    _, whole, _ = await post_json(live, "/v1/completions", completion_request(text, max_tokens=1))
+    assert whole["usage"]["prompt_tokens"] == tok["count"]
+    source = _source_of(live)
+    if source.startswith("gguf:"):
+        from transformers import AutoTokenizer
+
+        path = Path(source.removeprefix("gguf:"))
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        assert tok["tokens"] == hf(text)["input_ids"]
+    status, back, _ = await post_json(live, "/detokenize", {"model": MODEL_NAME, "tokens": tok["tokens"]})
+    assert status == 200 and back["prompt"] == text
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    status, chat_tok, _ = await post_json(
+        live, "/tokenize", {"model": MODEL_NAME, "messages": messages, "return_token_strs": True}
+    )
+    _, chat, _ = await post_json(live, "/v1/chat/completions", chat_request("What is 2+2?", max_tokens=1))
+    assert status == 200 and chat["usage"]["prompt_tokens"] == chat_tok["count"]
+    assert len(chat_tok["token_strs"]) == chat_tok["count"] and all(
+        isinstance(t, str) for t in chat_tok["token_strs"]
+    )
+    status, no_prompt, _ = await post_json(
+        live, "/tokenize", {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": False}
+    )
+    assert status == 200 and no_prompt["count"] < chat_tok["count"]
+    status, err, _ = await post_json(live, "/tokenize", {"prompt": text}, headers={})
+    assert status == 401, err
+
+
 def _source_of(live: LiveAppliance) -> str:
     for line in (Path(live.log_path).parent / "profile.toml").read_text().splitlines():
         if line.startswith("source = "):

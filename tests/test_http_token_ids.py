@@ -132,3 +132,39 @@ async def test_ids_outside_the_preset_vocabulary_are_refused(served):
     assert r.status == 400
     assert f"outside the vocabulary [0, {VOCAB})" in (await r.json())["error"]["message"]
     assert engine.submitted == []
+
+
+async def test_tokenize_and_detokenize_without_a_tokenizer(served):
+    """/tokenize of text needs a tokenizer (the same 400 as completions); /detokenize writes the ids;
+    `model` may be left out when one model is served."""
+    client, _ = served
+    r = await client.post("/tokenize", json={"model": MODEL, "prompt": "hello"})
+    assert r.status == 400 and (await r.json())["error"]["code"] == "tokenizer_unavailable"
+    r = await client.post("/detokenize", json={"tokens": [1, 2, 511]})
+    assert r.status == 200 and await r.json() == {"prompt": " 1 2 511"}
+    r = await client.post("/detokenize", json={"model": MODEL, "tokens": [1, VOCAB]})
+    err = (await r.json())["error"]
+    assert (
+        r.status == 400
+        and err["param"] == "tokens"
+        and f"outside the vocabulary [0, {VOCAB})" in err["message"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "fragment"),
+    [
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "does not exist"),
+        ("/tokenize", {"model": MODEL, "prompt": "x", "colour": 1}, 400, "unknown parameter 'colour'"),
+        ("/tokenize", {"model": MODEL}, 400, "missing required parameter 'prompt'"),
+        ("/tokenize", [1, 2], 400, "must be a JSON object"),
+        ("/tokenize", {"model": MODEL, "messages": []}, 400, "invalid 'messages'"),
+        ("/detokenize", {"model": MODEL, "tokens": "1 2"}, 400, "invalid 'tokens'"),
+        ("/detokenize", {"model": MODEL, "tokens": [True]}, 400, "invalid 'tokens.0'"),
+    ],
+)
+async def test_tokenize_routes_refuse_bad_bodies(served, path, body, status, fragment):
+    client, _ = served
+    r = await client.post(path, json=body)
+    assert r.status == status
+    assert fragment in (await r.json())["error"]["message"]
