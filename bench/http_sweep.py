@@ -271,6 +271,18 @@ def arguments() -> argparse.Namespace:
     return args
 
 
+def one_geometry_parser(description: str | None) -> argparse.ArgumentParser:
+    """The arguments of a bench that serves one geometry: where, which model, which geometry."""
+    ap = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--geometry", default="8192/1024/256/2048", help="mml/slots/seqs/budget")
+    return ap
+
+
 def model_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """--model / --dtype defaults for --device (cpu: dummy:tiny fp32, else the 1B in bf16), and
     args.vocab, the bound of the random prompt ids (the HTTP benches in bench/ share it)."""

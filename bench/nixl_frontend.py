@@ -45,6 +45,7 @@ from bench.http_sweep import (  # noqa: E402
     Geometry,
     gpu_name,
     model_defaults,
+    one_geometry_parser,
     profile_text,
     run_case,
     say,
@@ -175,11 +176,7 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--geometry", default="8192/1024/256/2048", help="mml/slots/seqs/budget")
+    ap = one_geometry_parser(__doc__)
     ap.add_argument("--modes", nargs="+", default=["shm", "nixl-tcp"], choices=["shm", "nixl-tcp"])
     ap.add_argument("--requests", type=int, default=32, help="requests per case (waves of the batch)")
     ap.add_argument("--input-len", type=int, default=128)

@@ -33,7 +33,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.http_sweep import MODEL_NAME, Geometry, appliance_server, model_defaults, ms, request_tpot_s  # noqa: E402
+from bench.http_sweep import (  # noqa: E402
+    MODEL_NAME,
+    Geometry,
+    appliance_server,
+    model_defaults,
+    ms,
+    one_geometry_parser,
+    request_tpot_s,
+)
 from blink_appliance.bench.datasets import BenchRequest  # noqa: E402
 from blink_appliance.bench.load_generator import (  # noqa: E402
     LoadConfig,
@@ -128,11 +136,7 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--geometry", default="8192/1024/256/2048", help="mml/slots/seqs/budget")
+    ap = one_geometry_parser(__doc__)
     ap.add_argument("--phases", nargs="+", default=["ls_alone", "priority", "fcfs", "be_alone"])
     ap.add_argument("--ls-rate", type=float, default=4.0, help="LS requests per second (Poisson)")
     ap.add_argument("--ls-output-len", type=int, default=128)

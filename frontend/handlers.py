@@ -170,6 +170,7 @@ async def _stream_response(
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         await response.write(f"data: {data}\n\n".encode())
 
+    ending: list[dict[str, Any] | str] = []
     try:
         await send(chunk(""))  # the role chunk for chat; an empty text chunk for completions
         async for piece in pieces:
@@ -179,17 +180,20 @@ async def _stream_response(
             await send(chunk(None, use=usage(prep.prompt_tokens, prep.completion_tokens)))
         await send("[DONE]")
     except EngineFailure as e:
-        await send(_failure(e).body())  # the status is already sent: the error goes in the stream
-        await send("[DONE]")
+        ending = [_failure(e).body(), "[DONE]"]  # the status is already sent: the error goes in the stream
     except ConnectionResetError:  # the client went away: closing `pieces` cancels the request
         log.debug("client disconnected from %s", prep.rid)
         return response
     except Exception:  # a 200 is already sent: the stream must still end, with the error in it
         log.exception("stream %s failed", prep.rid)
         error = APIError(500, "the server failed while streaming this request", type="server_error")
-        await send(error.body())
-        await send("[DONE]")
-    await response.write_eof()
+        ending = [error.body(), "[DONE]"]
+    try:
+        for obj in ending:
+            await send(obj)
+        await response.write_eof()
+    except ConnectionResetError:  # gone before its stream's end could reach it
+        log.debug("client disconnected from %s before its stream ended", prep.rid)
     return response
 
 

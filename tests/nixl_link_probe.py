@@ -14,14 +14,16 @@ from blink_appliance.wire.nixl_agent import make_agent
 from blink_appliance.wire.nixl_transport import NixlLink
 from blink_appliance.wire.transport import TransportLost
 
-PAYLOAD, WORD, N = 4096, 0, 600
+PAYLOAD, SECOND, WORD, N = 4096, 16384, 0, 600
 
 
 def write_order(memory: np.ndarray, link: NixlLink) -> dict:
-    """Payload then word through the link; a reader thread on the target checks payload >= word."""
+    """Payload (two spans written as one batch, one transfer) then word through the link; a reader
+    thread on the target checks both spans >= word."""
     transport = link.transport("m")
     word = memory[WORD : WORD + 8].view("<u8")
-    payload = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    first = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    second = memory[SECOND : SECOND + 4096].view("<u8")
     word[0] = 0
     done = threading.Event()
     violations: list[tuple[int, int]] = []
@@ -30,7 +32,7 @@ def write_order(memory: np.ndarray, link: NixlLink) -> dict:
     def reader() -> None:
         while not done.is_set():
             seen = int(word[0])
-            low = int(payload.min())
+            low = min(int(first.min()), int(second.min()))
             checks[0] += 1
             if low < seen:
                 violations.append((seen, low))
@@ -38,26 +40,32 @@ def write_order(memory: np.ndarray, link: NixlLink) -> dict:
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
     for i in range(1, N + 1):
-        transport.write(PAYLOAD, np.full(512, i, dtype="<u8"))
+        with transport.batch():
+            transport.write(PAYLOAD, np.full(512, i, dtype="<u8"))
+            transport.write(SECOND, np.full(512, i, dtype="<u8"))
         transport.store_u64(WORD, i)
     done.set()
     thread.join()
-    return {"n": N, "final_word": int(word[0]), "final_payload_min": int(payload.min()),
+    low = min(int(first.min()), int(second.min()))
+    return {"n": N, "final_word": int(word[0]), "final_payload_min": low,
             "checks": checks[0], "violations": violations[:5]}  # fmt: skip
 
 
 def read_order(memory: np.ndarray, link: NixlLink) -> dict:
-    """The target writes payload then word; READs of the word, then the payload, find payload >= word."""
+    """The target writes payload (two spans) then word; a READ of the word, then one read_many of both
+    spans (one transfer), finds them >= word."""
     transport = link.transport("m")
     word = memory[WORD : WORD + 8].view("<u8")
-    payload = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    first = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    second = memory[SECOND : SECOND + 4096].view("<u8")
     done = threading.Event()
 
     def writer() -> None:
         i = 10**6
         while not done.is_set():
             i += 1
-            payload[:] = i
+            first[:] = i
+            second[:] = i
             word[0] = i
 
     thread = threading.Thread(target=writer, daemon=True)
@@ -66,7 +74,8 @@ def read_order(memory: np.ndarray, link: NixlLink) -> dict:
     try:
         for _ in range(N):
             seen = transport.load_u64(WORD)
-            low = int(np.frombuffer(transport.read(PAYLOAD, 4096), dtype="<u8").min())
+            spans = transport.read_many([(PAYLOAD, 4096), (SECOND, 4096)])
+            low = min(int(np.frombuffer(raw, dtype="<u8").min()) for raw in spans)
             if low < seen:
                 violations.append((seen, low))
     finally:

@@ -147,8 +147,9 @@ def probe() -> dict:
 
 
 def test_a_publishing_word_written_after_its_payload_never_lands_before_it(probe):
-    """Front end to engine: payload, then the word that publishes it, as separate transfers. A reader
-    on the target that sees word i must see payload i or later, every time."""
+    """Front end to engine: payload (a batch of two spans, one transfer), then the word that publishes
+    it, a transfer of its own. A reader on the target that sees word i must see payload i or later in
+    both spans, every time."""
     result = probe["write_order"]
     assert result["final_word"] == result["n"] and result["final_payload_min"] == result["n"]
     assert result["checks"] > result["n"] and not result["violations"], result
@@ -156,7 +157,7 @@ def test_a_publishing_word_written_after_its_payload_never_lands_before_it(probe
 
 def test_a_read_after_the_publishing_word_sees_its_payload(probe):
     """Engine to front end: the target writes payload then word (x86 keeps stores in order); a front
-    end that READs the word and then the payload must find payload >= word."""
+    end that READs the word and then both payload spans (one read_many) must find them >= word."""
     result = probe["read_order"]
     assert result["last_seen"] > 10**6 and not result["violations"], result
 

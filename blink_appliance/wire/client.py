@@ -196,18 +196,21 @@ class EngineClient:
         self._bounds.claim(slot, done, params.max_tokens)
         self._next_id = self._next_id % (REQUEST_ID_LIMIT - 1) + 1
         # The slot is ours (done == previous generation): reset it, then claim the new generation.
-        r.store_progress(slot, "count", 0)
-        r.clear_status(slot)
-        r.clear_stamps(slot, params.max_tokens)  # 0 marks a token not yet written (see _drain_slot)
-        r.store_ctl(slot, "request_id", request_id)
-        r.store_ctl(slot, "generation", generation)
-        r.write_prompt(position, prompt.astype("<i4"))
-        ring.arena_head = end
-        r.store("arena_head", end)
-        record[0]["generation"], record[0]["slot"] = generation, slot
-        r.publish_record(ring.head, record)
+        # All of it is the record's payload: the engine reads none of it before the seq word.
+        with r.transport.batch():
+            r.store_progress(slot, "count", 0)
+            r.clear_status(slot)
+            r.clear_stamps(slot, params.max_tokens)  # 0 marks a token not yet written (see _drain_slot)
+            r.store_ctl(slot, "request_id", request_id)
+            r.store_ctl(slot, "generation", generation)
+            r.write_prompt(position, prompt.astype("<i4"))
+            ring.arena_head = end
+            r.store("arena_head", end)
+            record[0]["generation"], record[0]["slot"] = generation, slot
+            r.write_record(ring.head, record)
+            r.store("next_request_id", self._next_id)
+        r.publish_seq(ring.head)
         ring.head += 1
-        r.store("next_request_id", self._next_id)
         r.doorbell("req_head", ring.head)
 
         self._active_ns = time.monotonic_ns()
@@ -348,15 +351,28 @@ class EngineClient:
         done = tracked & (prog["done"] == self._tracked_gen)
         bad_done = tracked & ~done & self._bounds.bad_done(prog["done"], self._tracked_gen)
         moved = False
-        for slot in np.nonzero(tracked & (done | bad_done | final | (counts != self._delivered)))[0]:
+        slots = np.nonzero(tracked & (done | bad_done | final | (counts != self._delivered)))[0]
+        # Streams that only got tokens: their tokens and stamps in one read (one transfer over NIXL).
+        # (Words the engine cannot have written are left to _drain_slot, which finds them out.)
+        bounds = self._bounds
+        flowing = [
+            int(s) for s in slots
+            if not (done[s] | bad_done[s] | final[s] | bounds.faulted[s])
+            and self._delivered[s] < counts[s] <= bounds.max_tokens[s]
+        ]  # fmt: skip
+        spans = [(s, int(self._delivered[s]), int(counts[s])) for s in flowing]
+        read = dict(zip(flowing, self.region.read_outputs(spans), strict=True)) if len(spans) > 1 else {}
+        for slot in slots:
             s = int(slot)
             moved |= self._drain_slot(s, bool(done[s]), int(prog["done"][s]) if bad_done[s] else None,
-                                      int(prog["count"][s]))  # fmt: skip
+                                      int(prog["count"][s]), read.get(s))  # fmt: skip
         return moved
 
-    def _drain_slot(self, slot: int, done: bool, bad_done: int | None, count_word: int) -> bool:
+    def _drain_slot(
+        self, slot: int, done: bool, bad_done: int | None, count_word: int, read: tuple | None = None
+    ) -> bool:
         """Deliver what the channel published since the last pass; `bad_done` is a done word the
-        engine cannot have written (None: it is fine)."""
+        engine cannot have written (None: it is fine); `read`: its new tokens and stamps, if read."""
         r = self.region
         if done:
             count_word = r.load_progress(slot, "count")  # re-read after seeing done: now final
@@ -378,7 +394,7 @@ class EngineClient:
             return self._faulted_channel(slot, pending, fault, release=ended)
         moved = False
         if pending is not None and not pending.terminated and (count > start or final):
-            tokens, times = r.read_output(slot, start, max(start, count))
+            tokens, times = read if read is not None else r.read_output(slot, start, max(start, count))
             status = r.read_status(slot) if final else None
             unwritten = np.flatnonzero(times == 0)
             arrived = int(unwritten[0]) if unwritten.size else len(times)

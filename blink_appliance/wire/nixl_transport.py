@@ -15,8 +15,10 @@ open streams and rebinds to the new one).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,6 +91,7 @@ class NixlTransport(Transport):
         self._base = self._local.ctypes.data
         self._registered = link.agent.register_memory([(self._base, region.size, 0, "")], "DRAM")
         self._closed = False
+        self._batched: list[tuple[int, int]] | None = None  # writes staged inside batch()
 
     @property
     def size(self) -> int:
@@ -99,17 +102,40 @@ class NixlTransport(Transport):
         return self._link
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        self._check(offset, nbytes)
-        if nbytes:
-            self._move("READ", offset, nbytes)
-        return self._local[offset : offset + nbytes].tobytes()
+        return self.read_many([(offset, nbytes)])[0]
+
+    def read_many(self, spans: Sequence[tuple[int, int]]) -> list[bytes]:
+        if self._batched is not None:
+            raise RuntimeError("a read inside a write batch: the batch's writes have not been sent")
+        for offset, nbytes in spans:
+            self._check(offset, nbytes)
+        self._move("READ", [(o, n) for o, n in spans if n])
+        return [self._local[o : o + n].tobytes() for o, n in spans]
 
     def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         self._check(offset, view.size)
         if view.size:
             self._local[offset : offset + view.size] = view
-            self._move("WRITE", offset, view.size)
+            if self._batched is not None:
+                self._batched.append((offset, view.size))
+            else:
+                self._move("WRITE", [(offset, view.size)])
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """The writes inside go as one transfer (several descriptors) when the block ends: no order
+        among them, all complete before the next call's transfer is posted."""
+        if self._batched is not None:  # nested: the outer block sends them
+            yield
+            return
+        self._batched = []
+        try:
+            yield
+            spans = self._batched
+        finally:
+            self._batched = None
+        self._move("WRITE", spans)
 
     def load_u64(self, offset: int) -> int:
         self._check_word(offset)
@@ -128,8 +154,11 @@ class NixlTransport(Transport):
         except Exception:  # noqa: BLE001 - best effort, the agent may be going away too
             pass
 
-    def _move(self, op: str, offset: int, nbytes: int) -> None:
-        """One transfer, waited on to completion (see the module docstring for why each one is)."""
+    def _move(self, op: str, spans: Sequence[tuple[int, int]]) -> None:
+        """One transfer of every (offset, nbytes) span, waited on to completion (see the module
+        docstring for why each one is)."""
+        if not spans:
+            return
         link = self._link
         if self._closed:
             raise TransportLost("the NIXL transport is closed")
@@ -137,9 +166,10 @@ class NixlTransport(Transport):
             raise TransportLost(link.lost)
         agent = link.agent
         handle = None
+        nbytes, offset = sum(n for _, n in spans), spans[0][0]
         try:
-            local = agent.get_xfer_descs([(self._base + offset, nbytes, 0)], "DRAM")
-            remote = agent.get_xfer_descs([(self._region.address + offset, nbytes, 0)], "DRAM")
+            local = agent.get_xfer_descs([(self._base + o, n, 0) for o, n in spans], "DRAM")
+            remote = agent.get_xfer_descs([(self._region.address + o, n, 0) for o, n in spans], "DRAM")
             handle = agent.initialize_xfer(op, local, remote, link.remote)
             state = agent.transfer(handle)
             deadline = time.monotonic() + link.timeout_s
@@ -153,7 +183,10 @@ class NixlTransport(Transport):
             state = f"{type(e).__name__}: {e}"
         link.transfers += 1
         if state != "DONE":
-            link.mark_lost(f"NIXL {op} of {nbytes} bytes at offset {offset} failed ({state})")
+            where = (
+                f"at offset {offset}" if len(spans) == 1 else f"in {len(spans)} spans from offset {offset}"
+            )
+            link.mark_lost(f"NIXL {op} of {nbytes} bytes {where} failed ({state})")
             raise TransportLost(link.lost)
         agent.release_xfer_handle(handle)
 

@@ -4,7 +4,7 @@ into reads and writes. Both ends build on it; neither touches raw offsets."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -80,6 +80,14 @@ class RingRegion:
     def doorbell(self, field: str, value: int) -> None:
         self.transport.doorbell(RingLayout.control(field), value)
 
+    def load_words(self, fields: Sequence[str]) -> list[int]:
+        """Several control words in one read of the span that holds them (a snapshot of each word;
+        no order among them)."""
+        offsets = [RingLayout.control(f) for f in fields]
+        start = min(offsets)
+        raw = self.transport.read(start, max(offsets) + 8 - start)
+        return [int.from_bytes(raw[o - start : o - start + 8], "little") for o in offsets]
+
     # -- request records --------------------------------------------------------------------------
     def new_record(self) -> np.ndarray:
         return np.zeros(1, dtype=self.layout.request)
@@ -113,10 +121,16 @@ class RingRegion:
 
     def publish_record(self, position: int, record: np.ndarray) -> None:
         """Write the payload, then the seq word (position + 1) with release semantics."""
-        offset = self.layout.record(position)
-        raw = record.tobytes()
-        self.transport.write(offset + 8, raw[8:])
-        self.transport.store_u64(offset, position + 1)
+        self.write_record(position, record)
+        self.publish_seq(position)
+
+    def write_record(self, position: int, record: np.ndarray) -> None:
+        """The record's payload (everything but its seq word)."""
+        self.transport.write(self.layout.record(position) + 8, record.tobytes()[8:])
+
+    def publish_seq(self, position: int) -> None:
+        """The record's seq word (position + 1): a release store, after its payload."""
+        self.transport.store_u64(self.layout.record(position), position + 1)
 
     # -- token arena ------------------------------------------------------------------------------
     def write_prompt(self, position: int, tokens: np.ndarray) -> None:
@@ -181,10 +195,19 @@ class RingRegion:
         self.transport.write(self.layout.time(slot, index), int(time_ns).to_bytes(8, "little"))
 
     def read_output(self, slot: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        n = stop - start
-        tokens = np.frombuffer(self.transport.read(self.layout.token(slot, start), 4 * n), dtype="<i4")
-        times = np.frombuffer(self.transport.read(self.layout.time(slot, start), 8 * n), dtype="<u8")
-        return tokens, times
+        return self.read_outputs([(slot, start, stop)])[0]
+
+    def read_outputs(self, spans: Sequence[tuple[int, int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Tokens and stamps [start, stop) of each (slot, start, stop), in one read_many."""
+        ranges = []
+        for slot, start, stop in spans:
+            n = stop - start
+            ranges += [(self.layout.token(slot, start), 4 * n), (self.layout.time(slot, start), 8 * n)]
+        raw = self.transport.read_many(ranges)
+        return [
+            (np.frombuffer(raw[2 * i], dtype="<i4"), np.frombuffer(raw[2 * i + 1], dtype="<u8"))
+            for i in range(len(spans))
+        ]
 
     # -- telemetry (seqlock: odd while the engine writes) ------------------------------------------
     def write_telemetry(self, values: Mapping[str, float]) -> None:

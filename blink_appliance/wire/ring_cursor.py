@@ -62,8 +62,9 @@ class RingCursor:
           (it restarted the ring, lifecycle.reset_inconsistent_rings): our heads move there.
         """
         r, g = self.region, self.geometry
-        ring_head, arena_head = r.load("req_head"), r.load("arena_head")
-        tail, arena_tail = r.load("req_tail"), r.load("arena_tail")
+        ring_head, arena_head, tail, arena_tail = r.load_words(
+            ("req_head", "arena_head", "req_tail", "arena_tail")
+        )
         if ring_head != self.head:
             if self._published(self.head, ring_head):
                 log.error("%d request records were published by another writer; continuing after them",

@@ -7,7 +7,9 @@ logic on either side. Offsets are byte offsets from the start of the region.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 
 
 class TransportLost(ConnectionError):
@@ -43,6 +45,18 @@ class Transport(ABC):
     @abstractmethod
     def store_u64(self, offset: int, value: int) -> None:
         """Release-store of an aligned little-endian u64: earlier writes are visible first."""
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Writes made inside may land in any order among themselves, all before any write made after
+        the block: payload that one later word publishes. Shared memory writes each at once; a remote
+        transport sends them as one transfer. No reads inside."""
+        yield
+
+    def read_many(self, spans: Sequence[tuple[int, int]]) -> list[bytes]:
+        """A copy of each (offset, nbytes) span, read after everything loaded before the call (one
+        transfer on a remote transport; no order among the spans)."""
+        return [self.read(offset, nbytes) for offset, nbytes in spans]
 
     def doorbell(self, offset: int, value: int) -> None:
         """Publish a producer counter: a release-store that tells the polling side work is there.
