@@ -64,7 +64,7 @@ extra=$want
 if [ "$extra" = dev ]; then
     target=".[dev]"
     say "installing torch $torch_version, the runtime dependencies and the test tools (pytest, hypothesis,"
-    say "  transformers, triton, openai, ruff, ...; ~1.2 GB more on disk): about 30-60 s on 2 cores the first"
+    say "  transformers, triton, openai, ruff, nixl, ...; ~1.4 GB more on disk): about 30-60 s on 2 cores the first"
     say "  time when the wheels are local or in pip's cache, longer while they download"
 else
     target="."
