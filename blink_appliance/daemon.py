@@ -469,6 +469,12 @@ def preflight(profile: Profile, *, port_key: str = "frontend.port") -> None:
 
 
 def run_up(profile: Profile, profile_path: Path, *, host: str | None, port: int | None) -> int:
+    if profile.frontend.transport == "nixl" and (host is not None or port is not None):
+        say(
+            "--host/--port: with frontend.transport 'nixl' this host serves no HTTP; give them to "
+            "`blink-appliance frontend` where the front end runs"
+        )
+        return 2
     try:
         profile = profile.with_overrides(host=host, port=port)
     except ProfileError as e:

@@ -222,3 +222,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_up_refuses_host_and_port_when_the_front_end_runs_elsewhere(tmp_path, capsys):
+    from blink_appliance.daemon import run_up
+    from blink_appliance.profile import parse_profile
+
+    profile = parse_profile(
+        {
+            "models": [{"name": "m", "source": "dummy:tiny", "kv_budget_gib": 0.01, "max_model_len": 256}],
+            "frontend": {"transport": "nixl"},
+            "dpu": {"listen": "127.0.0.1"},
+        }
+    )
+    assert run_up(profile, tmp_path / "p.toml", host=None, port=9001) == 2
+    assert "give them to `blink-appliance frontend`" in capsys.readouterr().err
