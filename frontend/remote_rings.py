@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Any
 
 from blink_appliance.profile import ProfileError
 from blink_appliance.wire.handshake import HandshakeError, load_secret, request_offer
 from blink_appliance.wire.link_settings import DpuSection
-from blink_appliance.wire.nixl_agent import NixlUnavailableError, apply_ucx_env, make_agent
+from blink_appliance.wire.nixl_agent import NixlUnavailableError, apply_ucx_env, interface_of, make_agent
 from blink_appliance.wire.nixl_transport import TRANSFER_TIMEOUT_S, NixlLink
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.remote_client import RemoteEngineClient
@@ -39,6 +40,9 @@ class RemoteRings:
             raise ProfileError(str(e)) from None
         self.dpu = dpu
         self.models = list(models)
+        if socket.gethostname() != dpu.frontend_host and interface_of(dpu.frontend_host) is None:
+            log.warning("[dpu] frontend_host is %r, which is neither this host's name nor one of its "
+                        "addresses: is this the host the profile means?", dpu.frontend_host)  # fmt: skip
         apply_ucx_env(dpu.ucx_env())
         try:
             self.agent: Any = make_agent(NixlLink.agent_name(), progress_thread=False)

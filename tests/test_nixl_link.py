@@ -237,3 +237,17 @@ def test_up_refuses_host_and_port_when_the_front_end_runs_elsewhere(tmp_path, ca
     )
     assert run_up(profile, tmp_path / "p.toml", host=None, port=9001) == 2
     assert "give them to `blink-appliance frontend`" in capsys.readouterr().err
+
+
+def test_a_front_end_on_another_host_than_frontend_host_says_so(monkeypatch, caplog):
+    from blink_appliance.frontend import remote_rings
+
+    from blink_appliance.wire.link_settings import DpuSection
+
+    monkeypatch.setenv("BLINK_DPU_SECRET", "s" * MIN_SECRET_BYTES)
+    monkeypatch.setattr(remote_rings, "make_agent", lambda *a, **k: object())  # no NIXL in this process
+    with caplog.at_level("WARNING", logger=remote_rings.__name__):
+        remote_rings.RemoteRings(DpuSection(frontend_host="127.0.0.1"), ["m"])
+        assert not caplog.records
+        remote_rings.RemoteRings(DpuSection(frontend_host="dpu-that-is-not-here.invalid"), ["m"])
+    assert "is this the host the profile means?" in caplog.text
