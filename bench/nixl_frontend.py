@@ -51,6 +51,7 @@ from bench.http_sweep import (  # noqa: E402
     say,
 )
 from bench.server_process import ServerProcess, ServerStartError  # noqa: E402
+from blink_appliance.bench.interference import Interference, InterferenceSpec  # noqa: E402
 
 BENCH_CASES = [Case("b1-greedy", 1, 0.0), Case("b16-greedy", 16, 0.0), CASES["b64-greedy"]]
 
@@ -103,6 +104,8 @@ def run_mode(mode: str, geo: Geometry, args: argparse.Namespace, net: tuple[str 
             f'\n[dpu]\nlisten = "{engine_ip}"\nport = 7455\nsecret_file = "{secret}"\n'
             'ucx_transports = ["tcp", "cuda_copy"]\n'
         )
+        if args.frontend_cpus:  # the DPU's cores, which the host's load cannot reach
+            text = text.replace("\n[frontend]\n", f"\n[frontend]\ncpus = {list(args.frontend_cpus)}\n")
     (profile := work / "profile.toml").write_text(text)
     log = args.out.parent / f"{args.out.stem}-{mode}.log"
     cli = [sys.executable, "-m", "blink_appliance.cli"]
@@ -125,12 +128,19 @@ def run_mode(mode: str, geo: Geometry, args: argparse.Namespace, net: tuple[str 
         out["startup_s"] = round(up.ready_after_s or 0.0, 2)
         asyncio.run(run_case(url, Case("warm-up", 1, 0.0), 1, 1, args, time.monotonic() + 60))
         out["greedy_text"] = greedy_text(url, args)
-        for case in BENCH_CASES:
+        for case, load in planned_cases(mode, args):
             batch = min(case.batch, geo.max_seqs, args.batch_cap)
             host_pids = engine_host_pids(up, exclude=fe_pid)
+            interference = Interference(load) if load is not None else None
+            if interference is not None:
+                interference.start()
             host0, fe0, t0 = cpu_seconds(host_pids), cpu_seconds([fe_pid]), time.monotonic()
             waves = max(1, args.requests // batch)
-            result = asyncio.run(run_case(url, case, batch, waves, args, time.monotonic() + 120))
+            try:
+                result = asyncio.run(run_case(url, case, batch, waves, args, time.monotonic() + 120))
+            finally:
+                if interference is not None:
+                    interference.stop()
             wall = time.monotonic() - t0
             tokens = result["completed"] * args.output_len
             host, front = cpu_seconds(host_pids) - host0, cpu_seconds([fe_pid]) - fe0
@@ -140,6 +150,8 @@ def run_mode(mode: str, geo: Geometry, args: argparse.Namespace, net: tuple[str 
                 engine_host_cpu_s_per_1k_tokens=round(1000 * host / max(tokens, 1), 4),
                 frontend_cpu_s_per_1k_tokens=round(1000 * front / max(tokens, 1), 4),
             )  # fmt: skip
+            if load is not None:
+                result.update(case=f"{case.name}+load", load=load.describe_workers())
             out["cases"].append(result)
             say(f"[{mode}] {json.dumps(result)}")
     except ServerStartError as e:
@@ -150,6 +162,19 @@ def run_mode(mode: str, geo: Geometry, args: argparse.Namespace, net: tuple[str 
             fe.stop(30)
         out["exit_code"] = up.stop(30)
     return out
+
+
+def planned_cases(mode: str, args: argparse.Namespace) -> list[tuple[Case, InterferenceSpec | None]]:
+    """Every case alone, then batch 1 and 64 again beside the co-located load (--interference). The
+    load may use every core but the bench client's and, with the front end off the host, the front
+    end's (stand-ins for the DPU's own cores): on the shm front end's host it shares them."""
+    plan: list[tuple[Case, InterferenceSpec | None]] = [(case, None) for case in BENCH_CASES]
+    if args.interference:
+        spared = set(args.client_cpus) | (set(args.frontend_cpus) if mode != "shm" else set())
+        cpus = tuple(c for c in range(os.cpu_count() or 1) if c not in spared)
+        spec = InterferenceSpec.parse(args.interference, duration_s=300.0, cpus=cpus)
+        plan += [(case, spec) for case in BENCH_CASES if case.batch in (1, 64)]
+    return plan
 
 
 def greedy_text(url: str, args: argparse.Namespace) -> str:
@@ -175,6 +200,10 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def _cpus(text: str) -> tuple[int, ...]:
+    return tuple(int(c) for c in text.split(",") if c.strip())
+
+
 def main() -> None:
     ap = one_geometry_parser(__doc__)
     ap.add_argument("--modes", nargs="+", default=["shm", "nixl-tcp"], choices=["shm", "nixl-tcp"])
@@ -184,8 +213,19 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--interference", default="", help="co-located load, e.g. spin=32 (default: none)")
+    ap.add_argument("--client-cpus", type=_cpus, default=(), help="pin this bench's client here, e.g. 13")
+    ap.add_argument("--frontend-cpus", type=_cpus, default=(), help="the NIXL front end's cores, e.g. 14,15")
+    ap.add_argument(
+        "--deterministic", action="store_true",
+        help="[engine] deterministic = true: the default loop sums split-K partials with fp32 atomics, so "
+        "two engine processes may break a near-tie of random weights' logits differently",
+    )  # fmt: skip
     args = model_defaults(ap.parse_args())
     args.batch_cap = 8 if args.device == "cpu" else 1 << 30
+    if args.client_cpus:
+        os.sched_setaffinity(0, set(args.client_cpus))
+    args.engine_lines = ["deterministic = true"] if args.deterministic else []
     geo = Geometry.parse(args.geometry)
     net = namespace() if "nixl-tcp" in args.modes else (None, "127.0.0.1", "127.0.0.1")
     report: dict[str, Any] = {
@@ -193,7 +233,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
         "geometry": geo.spec, "model": args.model, "dtype": args.dtype,
-        "input_len": args.input_len, "output_len": args.output_len, "modes": [],
+        "input_len": args.input_len, "output_len": args.output_len, "deterministic": args.deterministic,
+        "interference": args.interference, "client_cpus": args.client_cpus, "frontend_cpus": args.frontend_cpus,
+        "modes": [],
     }  # fmt: skip
     try:
         for mode in args.modes:
