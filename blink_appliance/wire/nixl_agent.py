@@ -29,7 +29,7 @@ _PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")
 
 
 class NixlUnavailableError(RuntimeError):
-    """No NIXL package is installed."""
+    """NIXL cannot be used here: no package is installed, or its UCX backend did not start."""
 
 
 def load_nixl() -> ModuleType:
