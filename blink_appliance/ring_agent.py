@@ -46,6 +46,23 @@ def ucx_env(dpu: DpuSection, address: str) -> dict[str, str]:
     return env
 
 
+def listen_on(dpu: DpuSection) -> socket.socket:
+    """The handshake socket, bound to `[dpu] listen` alone (never every interface)."""
+    family = socket.AF_INET6 if ":" in dpu.listen else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((dpu.listen, dpu.port))
+    except OSError as e:
+        sock.close()
+        raise ProfileError(
+            f"dpu.listen/dpu.port: cannot listen on {dpu.listen}:{dpu.port} ({e.strerror})"
+        ) from None
+    sock.listen(64)
+    sock.settimeout(0.2)
+    return sock
+
+
 class RingAgent:
     def __init__(self, profile: Profile) -> None:
         if profile.dpu is None:
@@ -72,21 +89,6 @@ class RingAgent:
                 transport.close()
             raise
         self._slots = threading.BoundedSemaphore(_MAX_HANDSHAKES)
-
-    def listen(self) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self.dpu.listen else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.dpu.listen, self.dpu.port))
-        except OSError as e:
-            sock.close()
-            raise ProfileError(
-                f"dpu.listen/dpu.port: cannot listen on {self.dpu.listen}:{self.dpu.port} ({e.strerror})"
-            ) from None
-        sock.listen(64)
-        sock.settimeout(0.2)
-        return sock
 
     def serve(self, sock: socket.socket, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             level=profile.appliance.log_level.upper(), format="[ring-agent] %(levelname)s %(message)s"
         )
         agent = RingAgent(profile)
-        sock = agent.listen()
+        sock = listen_on(agent.dpu)
     except (ProfileError, ValueError, OSError, NixlUnavailableError) as e:
         print(f"[ring-agent] {e}", file=sys.stderr)
         return 2

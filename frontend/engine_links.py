@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from blink_appliance.frontend.remote_rings import CONTROL_INTERVAL_S, RemoteRings
@@ -50,14 +50,8 @@ class EngineLinks:
     remote: RemoteRings | None = None
     supervisor: asyncio.Task[None] | None = field(default=None, repr=False)
 
-    def __iter__(self):  # noqa: ANN204 - an iterator of EngineLink
+    def __iter__(self) -> Iterator[EngineLink]:
         return iter(self.links)
-
-    def __len__(self) -> int:
-        return len(self.links)
-
-    def __getitem__(self, i: int) -> EngineLink:
-        return self.links[i]
 
 
 async def attach_engines(

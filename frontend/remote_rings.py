@@ -49,7 +49,6 @@ class RemoteRings:
         except NixlUnavailableError as e:
             raise ProfileError(f"dpu: {e}") from None
         self.link: NixlLink | None = None
-        self.connects = 0  # links made (1 + reconnects)
 
     async def connect(self, *, forever: bool) -> NixlLink:
         """A new link to the agent; retries while the agent cannot be reached (`forever`), and gives up
@@ -72,7 +71,6 @@ class RemoteRings:
             except ConnectionError as e:
                 log.warning("%s; trying again in %.1f s", e, RECONNECT_PAUSE_S)
             else:
-                self.connects += 1
                 log.info("linked to ring agent %s at %s:%d over NIXL (%s)", offer.instance[:12],
                          dpu.dial_address, dpu.port, ", ".join(r.model for r in offer.regions))  # fmt: skip
                 return link

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 
 from blink_appliance.wire.handshake import Offer, RemoteRegion
-from blink_appliance.wire.nixl_agent import make_agent
+from blink_appliance.wire.nixl_agent import apply_ucx_env, interface_of, make_agent
 from blink_appliance.wire.nixl_transport import NixlLink
 from blink_appliance.wire.transport import TransportLost
 
@@ -84,6 +84,28 @@ def read_order(memory: np.ndarray, link: NixlLink) -> dict:
     return {"last_seen": seen, "violations": violations[:5]}
 
 
+def complete_on_return(memory: np.ndarray, link: NixlLink) -> dict:
+    """The rule the order rests on: when a write, a store or a batch returns, the target's memory
+    already holds it (checked at once, no waiting), and a read returns what the target holds now."""
+    transport = link.transport("m")
+    word = memory[WORD : WORD + 8].view("<u8")
+    first = memory[PAYLOAD : PAYLOAD + 4096].view("<u8")
+    second = memory[SECOND : SECOND + 4096].view("<u8")
+    late = {"store": 0, "write": 0, "batch": 0, "read": 0}
+    for i in range(1, N + 1):
+        transport.store_u64(WORD, i)
+        late["store"] += int(word[0]) != i
+        transport.write(PAYLOAD, np.full(512, i, dtype="<u8"))
+        late["write"] += int(first.min()) != i or int(first.max()) != i
+        with transport.batch():
+            transport.write(PAYLOAD, np.full(512, i + 1, dtype="<u8"))
+            transport.write(SECOND, np.full(512, i + 1, dtype="<u8"))
+        late["batch"] += int(first.min()) != i + 1 or int(second.min()) != i + 1
+        word[0] = 10 * i
+        late["read"] += transport.load_u64(WORD) != 10 * i
+    return {"n": N, "late": late}
+
+
 def lost_link(memory: np.ndarray, link: NixlLink) -> dict:
     def outcome(call) -> str:  # noqa: ANN001
         try:
@@ -104,6 +126,9 @@ def lost_link(memory: np.ndarray, link: NixlLink) -> dict:
 
 
 def main() -> None:
+    # TCP, as between two hosts: with both agents in one process UCX would otherwise pick a transport
+    # that completes inside the post, and a transport that did not wait would pass unnoticed.
+    apply_ucx_env({"UCX_TLS": "tcp", "UCX_NET_DEVICES": interface_of("127.0.0.1") or "lo"})
     memory = np.zeros(1 << 16, dtype=np.uint8)
     target = make_agent("probe-target", progress_thread=True)
     target.register_memory([(memory.ctypes.data, memory.nbytes, 0, "")], "DRAM")
@@ -113,6 +138,7 @@ def main() -> None:
         Offer("i", target.name, target.get_agent_metadata(), (region,)),
     )
     report = {"write_order": write_order(memory, link), "read_order": read_order(memory, link)}
+    report["complete_on_return"] = complete_on_return(memory, link)
     report["lost_link"] = lost_link(memory, link)
     print(json.dumps(report), flush=True)
 

@@ -162,6 +162,12 @@ def test_a_read_after_the_publishing_word_sees_its_payload(probe):
     assert result["last_seen"] > 10**6 and not result["violations"], result
 
 
+def test_every_call_is_complete_when_it_returns(probe):
+    """Each call's transfer has landed (or been read) before the call returns: what the order over
+    the network rests on (a transport that returned on posting would fail here)."""
+    assert probe["complete_on_return"]["late"] == {"store": 0, "write": 0, "batch": 0, "read": 0}, probe
+
+
 def test_a_lost_link_refuses_every_later_transfer(probe):
     """Out of the region: refused locally. Once the link is marked lost (a transfer failed or timed
     out; the live test kills the agent for real), every call raises TransportLost at once."""
@@ -195,7 +201,8 @@ def test_the_handshake_port_is_bound_to_the_listen_address_only(tmp_path):
     """The agent's socket is bound to `listen` alone: another of this host's addresses is refused."""
     import psutil
 
-    from blink_appliance.ring_agent import RingAgent
+    from blink_appliance.ring_agent import listen_on
+    from blink_appliance.wire.link_settings import DpuSection
 
     others = [
         a.address
@@ -205,15 +212,12 @@ def test_the_handshake_port_is_bound_to_the_listen_address_only(tmp_path):
     ]
     if not others:
         pytest.skip("this host has no IPv4 address besides loopback to try")
-    agent = RingAgent.__new__(RingAgent)  # only its socket: no regions, no NIXL
-    from blink_appliance.wire.link_settings import DpuSection
-
-    agent.dpu = DpuSection(listen="127.0.0.1", port=_free_port())
-    sock = agent.listen()
+    dpu = DpuSection(listen="127.0.0.1", port=_free_port())
+    sock = listen_on(dpu)
     try:
-        socket.create_connection(("127.0.0.1", agent.dpu.port), timeout=2).close()
+        socket.create_connection(("127.0.0.1", dpu.port), timeout=2).close()
         with pytest.raises(OSError):
-            socket.create_connection((others[0], agent.dpu.port), timeout=2)
+            socket.create_connection((others[0], dpu.port), timeout=2)
     finally:
         sock.close()
 

@@ -39,7 +39,6 @@ class NixlLink:
         self.offer = offer
         self.timeout_s = timeout_s
         self.lost: str | None = None
-        self.transfers = 0  # posted through this link (telemetry)
         try:
             remote = agent.add_remote_agent(offer.metadata)
             self.remote = remote.decode() if isinstance(remote, bytes) else remote
@@ -181,7 +180,6 @@ class NixlTransport(Transport):
                 state = agent.check_xfer_state(handle)
         except Exception as e:  # noqa: BLE001 - NIXL's binding raises its own error classes
             state = f"{type(e).__name__}: {e}"
-        link.transfers += 1
         if state != "DONE":
             where = (
                 f"at offset {offset}" if len(spans) == 1 else f"in {len(spans)} spans from offset {offset}"
