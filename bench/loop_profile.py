@@ -62,14 +62,16 @@ PIECES = ("schedule", "forward", "sample", "commit")
 class Case:
     batch: int
     sampled: bool
+    logprobs: int | None = None  # every row asks for this many alternatives
 
     @property
     def name(self) -> str:
-        return f"b{self.batch}-{'sampled' if self.sampled else 'greedy'}"
+        lp = "" if self.logprobs is None else f"-lp{self.logprobs}"
+        return f"b{self.batch}-{'sampled' if self.sampled else 'greedy'}{lp}"
 
     def params(self, index: int, max_tokens: int) -> SamplingParams:
         random = dict(temperature=0.7, top_p=0.9, seed=index + 1) if self.sampled else dict(temperature=0.0)
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **random)
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=self.logprobs, **random)
 
 
 class Clock:
@@ -225,9 +227,15 @@ async def host_case(rig: LoopRig, client: EngineClient, clock: Clock, case: Case
     first = [e.token_id for e in next(iter(requests.values()))[1] if e.token_id is not None]
     if first[: len(check)] != [t for t, _ in check]:
         raise RuntimeError(f"{case.name}: the ring's tokens {first} differ from the loop state's {check}")
+    if case.logprobs is not None:  # every token came with its row; greedy: the most likely one
+        rows = [e.logprobs for e in next(iter(requests.values()))[1] if e.token_id is not None]
+        if None in rows or len(rows) < len(first):
+            raise RuntimeError(f"{case.name}: tokens came without their logprob rows")
+        if not case.sampled and any(r.top and r.top[0][0] != r.token_id for r in rows):
+            raise RuntimeError(f"{case.name}: a greedy token is not the most likely one of its row")
     median = {p: statistics.median(t[p] for t in timings) for p in PIECES}
     return {
-        "case": case.name, "batch": case.batch, "sampled": case.sampled,
+        "case": case.name, "batch": case.batch, "sampled": case.sampled, "logprobs": case.logprobs,
         "median_ms": median | {"total": statistics.median(sum(t[p] for p in PIECES) for t in timings)},
         "mean_ms": {p: statistics.fmean(t[p] for t in timings) for p in PIECES},
         "buckets": sorted({t["bucket"] for t in timings}), "samplers": sorted({t["sampler"] for t in timings}),
@@ -288,7 +296,12 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
         await client.start()
         clock = Clock(device, args.hold_ms)
         batches = sorted({min(b, geometry.max_num_seqs) for b in args.batches})
-        cases = [Case(b, s) for b in batches for s in (tuple(map(bool, args.sampled or (0, 1))))]
+        cases = [
+            Case(b, s, lp)
+            for b in batches
+            for s in (tuple(map(bool, args.sampled or (0, 1))))
+            for lp in (None, *args.logprobs)
+        ]
         # Host-driven launches read these two per step; the loop's captured graph keeps its own.
         knobs = [
             (w, r)
@@ -381,6 +394,9 @@ def arguments() -> argparse.Namespace:
         "--rejection-rounds", nargs="+", type=int, default=None, help="host-driven cases per value"
     )
     ap.add_argument("--sampled", nargs="+", type=int, choices=(0, 1), default=None, help="default: 0 1")
+    ap.add_argument(
+        "--logprobs", nargs="*", type=int, default=[], help="also each case with logprobs=N on every row"
+    )
     out = Path(os.environ["OUT"]) / "loop_profile.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=out, help="JSON report (default $OUT/loop_profile.json)")
     args = ap.parse_args()

@@ -189,6 +189,9 @@ class FrontendSection(_Section):
     transport: Literal["shm", "nixl", "rdma"] = "shm"
     max_request_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies get 413
     max_inflight: int = Field(default=256, ge=1, le=65536)  # requests admitted at once; more get 503
+    # (token, logprob) pairs, 8 bytes each, shared by the requests in flight that ask for logprobs
+    # (a request takes (1 + N) per generated token, and per prompt token with echo); 0: refused.
+    logprob_pairs: int = Field(default=1 << 20, ge=0, lt=2**31)
     # Bearer keys: a string, or a table {key = "...", priority = N} whose requests run in class N
     # (docs/api.md, "Priority"); env BLINK_API_KEY adds one without a class.
     api_keys: list[ApiKeyEntry] = Field(default_factory=list)
@@ -472,6 +475,7 @@ def ring_geometry(profile: Profile, index: int = 0) -> RingGeometry:
         max_inflight=inflight,
         max_output_tokens=m.output_limit,
         max_stop_ids=16,
+        logprob_pairs=profile.frontend.logprob_pairs,
     )
 
 

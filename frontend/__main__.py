@@ -195,7 +195,9 @@ def _services(
 
     registry = MetricsRegistry()  # one /metrics for every model, told apart by model_name
     services = []
-    for m, link, tokenizer, geometry in zip(models, links, tokenizers, geometries, strict=True):
+    for i, (m, link, tokenizer, geometry) in enumerate(
+        zip(models, links, tokenizers, geometries, strict=True)
+    ):
         client = link.client
         metrics = ServingMetrics(
             m.name,
@@ -216,9 +218,30 @@ def _services(
             max_output_tokens=geometry.max_output_tokens,
             max_stop_ids=geometry.max_stop_ids,
             default_priority=m.priority,
+            **dict(
+                zip(
+                    ("logprobs_refusal", "prompt_logprobs_refusal"),
+                    logprobs_refusals(profile.engine_mode_of(i), geometry.logprob_pairs),
+                    strict=True,
+                )
+            ),
         )
         services.append(CompletionService(client, tokenizer, detokenizer, limits, metrics))
     return ModelRouter(services), telemetry
+
+
+def logprobs_refusals(engine_mode: str, logprob_pairs: int) -> tuple[str | None, str | None]:
+    """Why a model's requests cannot have logprobs, and why not the prompt's (echo with logprobs);
+    None where its engine gives them."""
+    if not logprob_pairs:
+        off = "logprobs are off: this appliance's profile sets frontend.logprob_pairs = 0"
+        return off, off
+    if engine_mode != "reference":
+        return None, (
+            f"echo with logprobs (the prompt's logprobs) is not served by the GPU loop yet (engine.mode "
+            f"{engine_mode!r}); the CPU reference engine serves it"
+        )
+    return None, None
 
 
 def main(argv: list[str] | None = None) -> int:

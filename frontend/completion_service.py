@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from blink_appliance.frontend.errors import APIError, bad_request, service_unavailable
+from blink_appliance.frontend.logprobs import ChoiceLogprobs, LogprobEntry, TokenStrings
 from blink_appliance.frontend.metrics import ServingMetrics
 from blink_appliance.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from blink_appliance.frontend.stop_strings import StopStringMatcher
@@ -68,6 +69,9 @@ class ServiceLimits:
     retry_after_s: int = 1
     # The model's priority class (`[[models]] priority`): a request's base when its key has none.
     default_priority: int = 0
+    # Why this model's engine cannot give logprobs, or the prompt's (None: it can).
+    logprobs_refusal: str | None = None
+    prompt_logprobs_refusal: str | None = None
 
 
 def effective_priority(base: int, requested: int | None) -> int:
@@ -88,6 +92,9 @@ class Prepared:
     include_usage: bool
     priority: int = 0  # effective: lower runs first (effective_priority)
     completion_tokens: int = 0
+    top_n: int | None = None  # logprobs: alternatives per position (None: no logprobs)
+    echo: str | None = None  # the prompt's text, sent before the completion (completions' echo)
+    score_only: bool = False  # max_tokens 0 with echo: the one token generated is not returned
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,6 +107,7 @@ class Piece:
 
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[LogprobEntry, ...] = ()  # of the tokens (and echoed prompt) behind `text`
 
 
 class EngineFailure(Exception):
@@ -130,6 +138,7 @@ class CompletionService:
         self._detokenizer_factory = detokenizer_factory
         self.limits = limits
         self.metrics = metrics
+        self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts and bytes
         self.draining = False
         self._inflight = _Inflight()
         self._inflight.idle.set()
@@ -162,9 +171,12 @@ class CompletionService:
         else:
             ids = list(prompt)
             self._check_ids(ids, "prompt")
-        return self._prepared(
+        prep = self._prepared(
             req, ids, req.max_tokens, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, key_priority=key_priority
         )
+        if req.echoes:
+            prep.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return prep
 
     async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
@@ -232,6 +244,13 @@ class CompletionService:
                 "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                 "context_length_exceeded",
             )
+        if req.top_n is not None and lim.logprobs_refusal is not None:
+            raise bad_request(lim.logprobs_refusal, "logprobs", "unsupported_parameter")
+        if req.top_n is not None and req.echoes and lim.prompt_logprobs_refusal is not None:
+            raise bad_request(lim.prompt_logprobs_refusal, "echo", "unsupported_parameter")
+        score_only = max_tokens == 0  # the schema allows it only with echo
+        if score_only:
+            max_tokens = 1
         room = min(lim.max_model_len - n, lim.max_output_tokens)
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         if max_tokens is None:
@@ -256,6 +275,8 @@ class CompletionService:
             max_tokens=max_tokens,
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
+            logprobs=req.top_n,
+            prompt_logprobs=req.top_n is not None and req.echoes,
         )
         try:
             params.validate()
@@ -272,7 +293,16 @@ class CompletionService:
             priority=effective_priority(
                 lim.default_priority if key_priority is None else key_priority, req.priority
             ),
+            top_n=req.top_n,
+            score_only=score_only,
         )
+
+    def _prompt_deltas(self, prep: Prepared) -> list[str]:
+        """Each prompt token's share of the prompt's text, decoded as the completion's tokens are."""
+        detok = self._detokenizer_factory(self.tokenizer, [])
+        deltas = [detok.feed(t) for t in prep.prompt_ids]
+        deltas[-1] += detok.flush()
+        return deltas
 
     # -- generation ---------------------------------------------------------------------------
     async def submit(self, prep: Prepared) -> int:
@@ -323,6 +353,8 @@ class CompletionService:
         timer = self.metrics.request_timer(prep.prompt_tokens, prep.priority)
         detok = self._detokenizer_factory(self.tokenizer, prep.prompt_ids)
         stops = StopStringMatcher(prep.stop_strings)
+        choice = ChoiceLogprobs(prep.top_n is not None)
+        echo = prep.echo
         finished = False
         try:
             # Tokens that reached the front end together go out as one piece: under load (many
@@ -333,36 +365,44 @@ class CompletionService:
                     now, last_stamp, text = time.monotonic_ns(), batch[-1].timestamp_ns, ""
                     for ev in batch:
                         reason = ev.finish_reason
-                        if ev.token_id is not None:
+                        if echo is not None and ev.token_id is not None:  # the prompt comes first
+                            text, echo = echo, None
+                            choice.prompt(prep.prompt_ids, self._prompt_deltas(prep), ev.prompt_logprobs)
+                        if ev.token_id is not None and not prep.score_only:
                             # The engine's spacing within the batch, ending now: the latency
                             # tracker sees its cadence, not one arrival for all of them.
                             timer.token(now - max(0, last_stamp - ev.timestamp_ns))
                             prep.completion_tokens += 1
                             # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
                             piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)
+                            choice.token(ev.logprobs, piece)
                             text += stops.feed(piece)
                             if stops.stopped:
                                 finished = True
                                 timer.finish("stop")
-                                yield Piece(text, "stop")
+                                yield Piece(text, "stop", choice.take())
                                 return
+                        if prep.score_only and reason is FinishReason.STOP:  # it stopped on the dropped token
+                            reason = FinishReason.LENGTH
                         if reason is None:
                             continue
                         if reason in (FinishReason.ABORT, FinishReason.ERROR):
                             finished = True
                             timer.error("engine_" + reason.value)
-                            if text:  # what came before the failure still reaches the client
-                                yield Piece(text)
+                            if (
+                                text or choice.pending
+                            ):  # what came before the failure still reaches the client
+                                yield Piece(text, None, choice.take())
                             raise EngineFailure(ev.error or f"the engine ended the request ({reason.value})")
                         text += stops.feed(detok.flush())
                         text += stops.flush()  # nothing once a stop string matched
                         finished = True
                         final = "stop" if stops.stopped else reason.value
                         timer.finish(final)
-                        yield Piece(text, final)
+                        yield Piece(text, final, choice.take())
                         return
-                    if text:
-                        yield Piece(text)
+                    if text or choice.pending:
+                        yield Piece(text, None, choice.take())
             # The stream ended without a terminal event: the ring lost the request.
             finished = True
             timer.error("engine_lost")

@@ -7,13 +7,14 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 from blink_appliance.frontend.auth import KEY_PRIORITY
 from blink_appliance.frontend.completion_service import CompletionService, EngineFailure, Piece, Prepared
 from blink_appliance.frontend.errors import APIError, bad_request
+from blink_appliance.frontend.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
 from blink_appliance.frontend.metrics import CONTENT_TYPE
 from blink_appliance.frontend.model_router import ModelRouter
 from blink_appliance.frontend.openai_schema import (
@@ -91,15 +92,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = service.limits.model_name
     created = now_s()
 
-    def chunk(
-        text: str | None, reason: str | None = None, use: dict[str, int] | None = None
-    ) -> dict[str, Any]:
-        return completion_chunk(prep.rid, model, created, text=text, finish_reason=reason, usage_=use)
+    def logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
+        return None if prep.top_n is None else completion_logprobs(entries, service.token_strings)
 
-    def whole(text: str, reason: str | None) -> dict[str, Any]:
-        return completion_body(
-            prep.rid, model, text, reason, usage(prep.prompt_tokens, prep.completion_tokens), created
+    def chunk(
+        text: str | None,
+        reason: str | None = None,
+        use: dict[str, int] | None = None,
+        entries: Sequence[LogprobEntry] = (),
+    ) -> dict[str, Any]:
+        return completion_chunk(
+            prep.rid, model, created, text=text, finish_reason=reason, usage_=use, logprobs=logprobs(entries)
         )
+
+    def whole(text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+        use = usage(prep.prompt_tokens, prep.completion_tokens)
+        return completion_body(prep.rid, model, text, reason, use, created, logprobs(entries))
 
     return await _respond(request, service, prep, chunk, whole)
 
@@ -112,8 +120,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     created = now_s()
     first = True
 
+    def logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
+        return None if prep.top_n is None else chat_logprobs(entries, service.token_strings)
+
     def chunk(
-        text: str | None, reason: str | None = None, use: dict[str, int] | None = None
+        text: str | None,
+        reason: str | None = None,
+        use: dict[str, int] | None = None,
+        entries: Sequence[LogprobEntry] = (),
     ) -> dict[str, Any]:
         nonlocal first
         if text is None:
@@ -122,12 +136,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             delta, first = {"role": "assistant", "content": text}, False
         else:
             delta = {"content": text} if text or reason is None else {}
-        return chat_chunk(prep.rid, model, created, delta=delta, finish_reason=reason, usage_=use)
-
-    def whole(text: str, reason: str | None) -> dict[str, Any]:
-        return chat_body(
-            prep.rid, model, text, reason, usage(prep.prompt_tokens, prep.completion_tokens), created
+        lp = logprobs(entries) if entries else None
+        return chat_chunk(
+            prep.rid, model, created, delta=delta, finish_reason=reason, usage_=use, logprobs=lp
         )
+
+    def whole(text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+        use = usage(prep.prompt_tokens, prep.completion_tokens)
+        return chat_body(prep.rid, model, text, reason, use, created, logprobs(entries))
 
     return await _respond(request, service, prep, chunk, whole)
 
@@ -137,7 +153,7 @@ async def _respond(
     service: CompletionService,
     prep: Prepared,
     chunk: Callable[..., dict[str, Any]],
-    whole: Callable[[str, str | None], dict[str, Any]],
+    whole: Callable[[str, str | None, Sequence[LogprobEntry]], dict[str, Any]],
 ) -> web.StreamResponse:
     async with contextlib.aclosing(service.generate(prep)) as pieces:
         await anext(pieces)  # admission: raises APIError (400/503) while we can still send a status
@@ -147,17 +163,19 @@ async def _respond(
 
 
 async def _whole_response(
-    pieces: AsyncIterator[Piece], whole: Callable[[str, str | None], dict[str, Any]]
+    pieces: AsyncIterator[Piece], whole: Callable[[str, str | None, Sequence[LogprobEntry]], dict[str, Any]]
 ) -> web.Response:
     texts: list[str] = []
+    entries: list[LogprobEntry] = []
     reason: str | None = None
     try:
         async for piece in pieces:
             texts.append(piece.text)
+            entries.extend(piece.logprobs)
             reason = piece.finish_reason
     except EngineFailure as e:
         raise _failure(e) from None
-    return web.json_response(whole("".join(texts), reason))
+    return web.json_response(whole("".join(texts), reason, entries))
 
 
 async def _stream_response(
@@ -174,8 +192,8 @@ async def _stream_response(
     try:
         await send(chunk(""))  # the role chunk for chat; an empty text chunk for completions
         async for piece in pieces:
-            if piece.text or piece.finish_reason is not None:
-                await send(chunk(piece.text, piece.finish_reason))
+            if piece.text or piece.finish_reason is not None or piece.logprobs:
+                await send(chunk(piece.text, piece.finish_reason, entries=piece.logprobs))
         if prep.include_usage:
             await send(chunk(None, use=usage(prep.prompt_tokens, prep.completion_tokens)))
         await send("[DONE]")

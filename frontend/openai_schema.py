@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from blink_appliance.frontend.errors import APIError, bad_request, not_supported
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from blink_appliance.wire.request import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
@@ -45,8 +47,6 @@ class _SamplingRequest(BaseModel):
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
 
     # OpenAI parameters not built yet: refused unless they ask for the default behaviour.
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -80,10 +80,6 @@ class _SamplingRequest(BaseModel):
             return bad_request(f"n={self.n}: only n=1 is supported (one choice per request)", "n")
         if self.stream_options is not None and not self.stream:
             return bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.logprobs not in (None, False, 0):
-            return not_supported("logprobs")
-        if self.top_logprobs not in (None, 0):
-            return not_supported("top_logprobs")
         if self.logit_bias not in (None, {}):
             return not_supported("logit_bias")
         for key in ("presence_penalty", "frequency_penalty"):
@@ -95,16 +91,42 @@ class _SamplingRequest(BaseModel):
             return not_supported("response_format", "structured output")
         return None
 
+    @property
+    def top_n(self) -> int | None:
+        """How many alternatives per position the request wants logprobs for (None: no logprobs)."""
+        return None
+
+    @property
+    def echoes(self) -> bool:
+        return False
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Any = None
+    # 0 only with echo: the prompt's logprobs, nothing generated (OpenAI's legacy scoring request).
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    top_logprobs: Any = None  # chat's parameter: refused here, naming the one to use
     best_of: Any = None
     suffix: Any = None
 
+    @property
+    def top_n(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echoes(self) -> bool:
+        return bool(self.echo)
+
     def unsupported(self) -> APIError | None:
-        if self.echo not in (None, False):
-            return not_supported("echo")
+        if self.top_logprobs is not None:
+            return bad_request(
+                "top_logprobs is a chat completions parameter; /v1/completions takes logprobs: N",
+                "top_logprobs",
+            )
+        if self.max_tokens == 0 and not self.echo:
+            return bad_request("max_tokens=0 needs echo=true (it returns only the prompt)", "max_tokens")
         if self.best_of not in (None, 1):
             return not_supported("best_of")
         if self.suffix not in (None, ""):
@@ -188,6 +210,8 @@ def _message_refused(message: str) -> APIError:
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -206,7 +230,13 @@ class ChatCompletionRequest(_SamplingRequest):
         for i, message in enumerate(self.messages):
             if (problem := message.unsupported(i)) is not None:
                 return problem
+        if self.top_logprobs is not None and not self.logprobs:
+            return bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         return super().unsupported()
+
+    @property
+    def top_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -271,21 +301,33 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int] | None, created: int
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict[str, int] | None,
+    created: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     body["usage"] = usage_
     return body
 
 
 def chat_body(
-    rid: str, model: str, text: str, finish_reason: str | None, usage_: dict[str, int], created: int
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage_: dict[str, int],
+    created: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -296,7 +338,7 @@ def chat_body(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -333,11 +375,12 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return _chunk(rid, "chat.completion.chunk", model, created, choices, usage_)
 
@@ -350,9 +393,12 @@ def completion_chunk(
     text: str | None,
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choices = (
-        [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        []
+        if text is None
+        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return _chunk(rid, "text_completion", model, created, choices, usage_)
 

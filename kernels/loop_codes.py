@@ -91,6 +91,9 @@ class RequestFields(NamedTuple):
     has_seed: int
     ignore_eos: int
     n_stop: int
+    logprobs: int
+    prompt_logprobs: int
+    lp_offset: int
     stop_ids: int
 
 
@@ -113,8 +116,18 @@ REQUEST_FIELD_DTYPES: dict[str, str] = {
     "has_seed": "<u4",
     "ignore_eos": "<u4",
     "n_stop": "<u4",
+    "logprobs": "<u4",
+    "prompt_logprobs": "<u4",
+    "lp_offset": "<u8",
     "stop_ids": "<i4",
 }
+
+
+class LogprobArea(NamedTuple):
+    """What schedule checks a record's logprob rows against."""
+
+    pairs: int  # the ring's logprob_pairs
+    max_top_n: int  # the most alternatives a request may ask for (wire.request.MAX_LOGPROBS)
 
 
 class ChannelLayout(NamedTuple):

@@ -30,6 +30,9 @@ INT64_MAX = 2**63 - 1
 SAMPLER_GREEDY = 0  # argmax rows only
 SAMPLER_REJECTION = 1  # temperature, top-p, min-p (kernels/sampling_rejection.py)
 SAMPLER_FULL = 2  # and top-k
+# Added to the variant when a row of the step asks for logprobs: the variant, then the logprob rows
+# (engine/loop/logprobs.py), so steps without them pay nothing.
+SAMPLER_LOGPROBS = 3
 
 
 @triton.jit

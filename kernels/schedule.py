@@ -85,6 +85,8 @@ class SlotTensors(NamedTuple):
     num_blocks: tl.tensor
     finish_reason: tl.tensor
     error_code: tl.tensor
+    lp_top_n: tl.tensor
+    lp_offset: tl.tensor
 
 
 class StepTensors(NamedTuple):
@@ -115,7 +117,7 @@ def schedule_kernel(
     slot_state_ptr, chan_ptr, generation_ptr, request_id_ptr, priority_ptr, arrival_ptr, run_order_ptr,
     run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr, temperature_ptr, top_p_ptr,
     top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr,
-    block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
+    block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr, lp_top_n_ptr, lp_offset_ptr,
     # DeviceState, free stack, step tables, sampling rows, control
     free_blocks_ptr, free_top_ptr, step_slot_ptr, step_chunk_ptr, sample_slot_ptr, step_num_tokens_ptr,
     bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr, row_min_p_ptr,
@@ -134,7 +136,7 @@ def schedule_kernel(
     NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr,
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
-    MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
+    MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr,
     OFF_RECORDS: tl.constexpr, REC_BYTES: tl.constexpr, OFF_ARENA: tl.constexpr, OFF_CTL: tl.constexpr,
     OFF_PROG: tl.constexpr,
     # tile sizes
@@ -154,6 +156,7 @@ def schedule_kernel(
         temperature=temperature_ptr, top_p=top_p_ptr, top_k=top_k_ptr, min_p=min_p_ptr, n_stop=n_stop_ptr,
         ignore_eos=ignore_eos_ptr, stop_ids=stop_ids_ptr, token_ids=token_ids_ptr, num_blocks=num_blocks_ptr,
         block_table=block_table_ptr, finish_reason=finish_reason_ptr, error_code=error_code_ptr,
+        lp_top_n=lp_top_n_ptr, lp_offset=lp_offset_ptr,
     )  # fmt: skip
     step = StepTensors(
         step_slot=step_slot_ptr, step_chunk=step_chunk_ptr, sample_slot=sample_slot_ptr,
@@ -214,7 +217,7 @@ def schedule_kernel(
             n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = take_records(
                 st, ch_d, free_d, md, tail, arena_tail, rec, n_records, next_arrival, n_cancelled,
                 engine_seed, ring_ptr, snap_ptr, slots,
-                OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP,
+                OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS,
                 MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
                 SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
             )  # fmt: skip

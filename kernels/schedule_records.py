@@ -47,6 +47,9 @@ class RecordFields(NamedTuple):
     has_seed: tl.tensor
     ignore_eos: tl.tensor
     n_stop: tl.tensor
+    logprobs: tl.tensor  # 0: none; N + 1 for N alternatives
+    prompt_logprobs: tl.tensor  # the loop scores no prompts: a record asking is refused
+    lp_offset: tl.tensor
 
 
 @triton.jit
@@ -93,7 +96,7 @@ def take_records(
     ring_ptr, snap_ptr, slots,
     OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
     MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
-    MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
+    LOGPROBS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_STOP: tl.constexpr, BLOCK_P: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr,
     RECORD: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
@@ -133,7 +136,7 @@ def take_records(
     c_cancel = tl.load(snap_ptr + at + BLOCK_R + offs_r, volatile=True)
     local, later, stop_m, stop_ids = _check_records(
         recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr,
-        ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, MAX_MODEL_LEN, VOCAB, BLOCK_STOP,
+        ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS, MAX_MODEL_LEN, VOCAB, BLOCK_STOP,
         ERROR, RECORD,
     )  # fmt: skip
     r_slot, r_outcome, arena_tail = _place_records(
@@ -179,6 +182,9 @@ def _load_records(ring_ptr, rec, tk, RECORD: tl.constexpr):
         has_seed=tl.load(ring_u32 + (rec + RECORD.has_seed) // 4, volatile=True).to(tl.int64),
         ignore_eos=tl.load(ring_u32 + (rec + RECORD.ignore_eos) // 4, volatile=True).to(tl.int64),
         n_stop=tl.load(ring_u32 + (rec + RECORD.n_stop) // 4, volatile=True).to(tl.int64),
+        logprobs=tl.load(ring_u32 + (rec + RECORD.logprobs) // 4, volatile=True).to(tl.int64),
+        prompt_logprobs=tl.load(ring_u32 + (rec + RECORD.prompt_logprobs) // 4, volatile=True).to(tl.int64),
+        lp_offset=tl.load(ring_i64 + (rec + RECORD.lp_offset) // 8, mask=tk, other=0, volatile=True),
     )
 
 
@@ -186,8 +192,8 @@ def _load_records(ring_ptr, rec, tk, RECORD: tl.constexpr):
 def _check_records(
     recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr,
     ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr,
-    MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
-    BLOCK_STOP: tl.constexpr, ERROR: tl.constexpr, RECORD: tl.constexpr,
+    MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
+    VOCAB: tl.constexpr, BLOCK_STOP: tl.constexpr, ERROR: tl.constexpr, RECORD: tl.constexpr,
 ):  # fmt: skip
     """Checks that need nothing but the record, in engine_server's order: `local` (1 unaddressable,
     2 prompt length, 3 arena range) and `later` (the ErrorCode, or _CANCELLED, of the checks after
@@ -221,15 +227,21 @@ def _check_records(
         | ~(r_temp >= 0.0) | ~((r_top_p > 0.0) & (r_top_p <= 1.0)) | (recs.top_k < 0)
         | ~((r_min_p >= 0.0) & (r_min_p <= 1.0)) | ((r_has_seed == 1) & (recs.seed < 0))
     )  # fmt: skip
+    # Logprobs (engine_server._decode_logprobs's order): N + 1 in [1, 21] or 0, no prompt scoring
+    # (the loop scores no prompts), then the rows inside the area.
+    r_max_tokens = recs.max_tokens
+    lp_bad = (recs.logprobs > LOGPROBS.max_top_n + 1) | (recs.prompt_logprobs != 0)
+    lp_outside = (recs.logprobs > 0) & (recs.lp_offset + r_max_tokens * recs.logprobs > LOGPROBS.pairs)
     # After the prompt checks: _decode's remaining checks, then the cancel word, then
     # LLMEngine.add_request's length limit.
-    r_max_tokens = recs.max_tokens
     later = tl.where(recs.n_stop > MAX_STOP, ERROR.STOP_IDS,
             tl.where(stop_bad, ERROR.STOP_IDS,
             tl.where((r_max_tokens < 1) | (r_max_tokens > MAX_OUTPUT), ERROR.MAX_TOKENS,
+            tl.where(lp_bad, ERROR.INVALID_PARAMS,
+            tl.where(lp_outside, ERROR.BAD_RECORD,
             tl.where(params_bad, ERROR.INVALID_PARAMS,
             tl.where(c_cancel == r_gen, _CANCELLED,
-            tl.where(r_plen > MAX_MODEL_LEN, ERROR.ENGINE_REJECTED, 0))))))  # fmt: skip
+            tl.where(r_plen > MAX_MODEL_LEN, ERROR.ENGINE_REJECTED, 0))))))))  # fmt: skip
     return local, later, stop_m, stop_ids
 
 
@@ -349,6 +361,8 @@ def _fill_record_slots(
     tl.store(slots.seed + sl, seed, mask=adm_r)
     tl.store(slots.ignore_eos + sl, recs.ignore_eos.to(tl.int32), mask=adm_r)
     tl.store(slots.n_stop + sl, recs.n_stop.to(tl.int32), mask=adm_r)
+    tl.store(slots.lp_top_n + sl, (recs.logprobs - 1).to(tl.int32), mask=adm_r)
+    tl.store(slots.lp_offset + sl, recs.lp_offset, mask=adm_r)
     jj = tl.arange(0, BLOCK_STOP)
     stop_row = tl.where(stop_m, stop_ids, -1)
     tl.store(

@@ -18,7 +18,7 @@ from blink_appliance.engine.reference.server import EngineServer
 from blink_appliance.wire.client import EngineBusyError, EngineClient
 from blink_appliance.wire.lifecycle import Heartbeat
 from blink_appliance.wire.region import RingRegion
-from blink_appliance.wire.request import FinishReason, Request, SamplingParams, TokenEvent
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams, TokenEvent, TokenLogprobs
 from blink_appliance.wire.ring_layout import (
     OCCUPANCY_FIELDS,
     STEP_COUNTER_FIELDS,
@@ -100,7 +100,7 @@ class CounterEngine:
                 reason = FinishReason.STOP
             elif n >= req.params.max_tokens:
                 reason = FinishReason.LENGTH
-            events.append(TokenEvent(rid, tok, reason))
+            events.append(TokenEvent(rid, tok, reason, None, 0, *counter_logprobs(req, n - 1, tok)))
             if reason is None:
                 self.running[rid] = (req, n)
             else:
@@ -110,6 +110,23 @@ class CounterEngine:
     def stats(self) -> Any:  # a CounterStats
         used = self.blocks_per_request * len(self.running)
         return CounterStats(len(self.running), len(self.waiting), used, 1000, self.steps, self.generated, 0)
+
+
+def _row(token: int, value: float, top_n: int) -> TokenLogprobs:
+    """A made-up row whose values an f32 holds exactly, so the ring's round trip can be checked exactly."""
+    return TokenLogprobs(token, value, tuple(((token + j + 1) % VOCAB, value - j - 1) for j in range(top_n)))
+
+
+def counter_logprobs(req: Request, index: int, token: int) -> tuple[TokenLogprobs | None, tuple | None]:
+    """CounterEngine's logprobs for output `index` (and the prompt's, with the first), when asked."""
+    n = req.params.logprobs
+    if n is None:
+        return None, None
+    prompt = None
+    if req.params.prompt_logprobs and index == 0:
+        ids = req.prompt_token_ids
+        prompt = tuple(_row(ids[p], -p / 4, n) for p in range(1, len(ids)))
+    return _row(token, -(index + 1) / 8, n), prompt
 
 
 def expected_events(prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:

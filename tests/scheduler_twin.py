@@ -24,7 +24,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.kernels.sampling import SAMPLER_FULL, SAMPLER_GREEDY, SAMPLER_REJECTION  # noqa: E402
+from blink_appliance.kernels.sampling import (  # noqa: E402
+    SAMPLER_FULL,
+    SAMPLER_GREEDY,
+    SAMPLER_LOGPROBS,
+    SAMPLER_REJECTION,
+)
 
 from blink_appliance.engine.loop.scheduler import DeviceScheduler  # noqa: E402
 from blink_appliance.engine.loop.state import (  # noqa: E402
@@ -34,6 +39,7 @@ from blink_appliance.engine.loop.state import (  # noqa: E402
     SlotState,
 )
 from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine  # noqa: E402
+from blink_appliance.engine.reference.model_runner import StepOutput  # noqa: E402
 from blink_appliance.engine.reference.rng import row_keys  # noqa: E402
 from blink_appliance.engine.reference.scheduler import SchedulerOutput, build_forward_batch  # noqa: E402
 from blink_appliance.engine.reference.server import EngineServer  # noqa: E402
@@ -128,7 +134,7 @@ class Twin:
         self._captured: RefStep | None = None
         run = self.engine.runner.run
 
-        def capture_then_run(out: SchedulerOutput) -> list[int]:
+        def capture_then_run(out: SchedulerOutput) -> StepOutput:
             self._captured = self._snapshot(out)
             return run(out)
 
@@ -273,7 +279,11 @@ class Twin:
             SAMPLER_GREEDY if p.temperature == 0 else SAMPLER_FULL if p.top_k > 0 else SAMPLER_REJECTION
             for _, p, _, _ in ref.sampling
         ]
-        assert int(s.sampler_index) == max(need, default=SAMPLER_GREEDY)
+        logprobs = any(p.logprobs is not None for _, p, _, _ in ref.sampling)
+        assert int(s.sampler_index) == max(need, default=SAMPLER_GREEDY) + SAMPLER_LOGPROBS * logprobs
+        for row, (_, params, _, _) in enumerate(ref.sampling):
+            slot = sample_slots[row]
+            assert int(s.lp_top_n[slot]) == (-1 if params.logprobs is None else params.logprobs)
 
     def _compare_state(self) -> None:
         s, sched = self.state, self.engine.scheduler

@@ -35,6 +35,9 @@ BAD_RECORDS: list[tuple[str, dict[str, object], list[int] | None]] = [
     ("top_k negative", {"top_k": -2}, None),
     ("min_p above 1", {"min_p": 1.5}, None),
     ("seed beyond 2**63", {"has_seed": 1, "seed": 2**63 + 5}, None),
+    ("logprobs over 20", {"logprobs": 22}, None),
+    ("prompt_logprobs 2", {"logprobs": 2, "prompt_logprobs": 2}, None),
+    ("logprob rows outside the area", {"logprobs": 3, "lp_offset": RING.logprob_pairs - 2}, None),
     ("longer than max_model_len", {}, prompt(LOOP.max_model_len + 1, 9)),
     # Last of its group: releasing the arena up to a bogus arena_end releases everything published
     # (clamped to arena_head), so records behind it in the same ring pass fail the arena check too.
@@ -135,3 +138,14 @@ def test_records_beyond_free_slots_wait_in_the_ring():
     t.launch()
     assert t.dev_region.load("req_tail") == 6
     assert sorted(t.state.request_id.tolist()) == [2, 3, 5, 6]
+
+
+def test_logprob_requests_are_admitted_with_their_rows_and_pick_the_logprob_sampler():
+    t = Twin()
+    asking = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
+    t.front.submit(prompt(5, 1), asking, record={"lp_offset": 0})
+    t.front.submit(prompt(4, 2), SamplingParams(temperature=0.7, seed=1, max_tokens=3))
+    t.front.submit(prompt(6, 3), asking, record={"lp_offset": 9})
+    t.run_until_idle()  # the twin compares lp_top_n and sampler_index (SAMPLER_LOGPROBS) each step
+    codes = [code for _, _, code in t.stats.finishes]
+    assert codes == [0, 0, 0] and t.stats.steps > 0

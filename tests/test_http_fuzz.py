@@ -128,7 +128,10 @@ VALID = {
     "stream_options": st.just({"include_usage": True}),
     "n": st.just(1),
     "user": st.text(max_size=5),
-    "logprobs": st.sampled_from([None, False]),
+    # Completions take an int, chat a bool (each refuses the other's with a 400).
+    "logprobs": st.sampled_from([None, False, True, 0, 3]),
+    "top_logprobs": st.sampled_from([None, 0, 2]),
+    "echo": st.sampled_from([None, False, True]),
 }
 PROMPTS = {
     "/v1/completions": ("prompt", st.sampled_from(["Hello", "a b c", [1, 2, 3], ["Hi"], [[5, 6]]])),

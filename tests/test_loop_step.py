@@ -259,6 +259,40 @@ async def test_loop_streams_equal_the_reference_engine(target):
     assert int(loop.state.free_top[0]) == GEOMETRY.num_kv_blocks  # every block came back
 
 
+LOGPROB_WORKLOAD = [
+    ("lp-greedy", 0, prompt(7, 6), greedy(6, logprobs=3)),
+    ("lp-sampled", 0, prompt(3, 7), dataclasses.replace(SAMPLED, logprobs=5)),
+    ("lp-chunked", 1, prompt(2, 21), greedy(4, logprobs=0)),  # prefilled over steps
+    ("plain", 1, prompt(5, 9), greedy(5)),
+]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+async def test_loop_logprobs_equal_the_reference_engine(target):
+    if target.startswith("cuda") and not HAVE_GPU_STACK:
+        pytest.skip("needs cupy and cuda-bindings (the GPU extra)")
+    model = build_model(checkpoint(), torch.float32, "cpu")
+    streams, _, _ = await run_workload(LOGPROB_WORKLOAD, target=target)
+    for name, _, tokens, params in LOGPROB_WORKLOAD:
+        engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
+        engine.add_request(Request(0, tokens, params))
+        want = []
+        while engine.has_unfinished():
+            want += [e for e in engine.step() if e.token_id is not None]
+        got = [e for e in streams[name] if e.token_id is not None]
+        assert [e.token_id for e in got] == [e.token_id for e in want], name
+        for g, w in zip(got, want, strict=True):
+            if params.logprobs is None:
+                assert g.logprobs is None and w.logprobs is None
+                continue
+            assert g.logprobs.token_id == w.logprobs.token_id
+            assert abs(g.logprobs.logprob - w.logprobs.logprob) < 1e-3, name
+            assert [t for t, _ in g.logprobs.top] == [t for t, _ in w.logprobs.top], name
+            assert all(
+                abs(a - b) < 1e-3 for (_, a), (_, b) in zip(g.logprobs.top, w.logprobs.top, strict=True)
+            )
+
+
 @pytest.mark.slow
 @cpu_only
 async def test_loop_with_the_real_gpu_forward_matches_the_reference():

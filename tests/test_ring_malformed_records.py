@@ -43,6 +43,10 @@ MUTATIONS = [
     ({"has_seed": 3}, ErrorCode.INVALID_PARAMS),
     ({"has_seed": 1, "seed": 2**63 + 1}, ErrorCode.INVALID_PARAMS),
     ({"ignore_eos": 7}, ErrorCode.INVALID_PARAMS),
+    ({"logprobs": 22}, ErrorCode.INVALID_PARAMS),  # 21 alternatives: one over the limit
+    ({"prompt_logprobs": 1}, ErrorCode.INVALID_PARAMS),  # without logprobs
+    ({"logprobs": 3, "prompt_logprobs": 2}, ErrorCode.INVALID_PARAMS),
+    ({"logprobs": 3, "lp_offset": SMALL.logprob_pairs - 5}, ErrorCode.BAD_RECORD),  # rows past the area
 ]
 
 

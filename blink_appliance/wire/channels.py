@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from blink_appliance.wire.logprob_area import LogprobStream
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import FinishReason, TokenEvent
 from blink_appliance.wire.ring_layout import FINISH_FROM_CODE, ErrorCode
@@ -26,9 +27,17 @@ class Pending:
     terminated: bool = False  # the stream already got its terminal event (maybe a local one)
     deadline_ns: int = 0  # when the request times out (0: never)
     payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
+    logprobs: LogprobStream | None = None  # the request's rows in the logprob area, when it asked
 
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
         """The first `n` tokens as non-final events."""
+        if self.logprobs is not None and n:
+            for token, stamp, lp in zip(
+                tokens[:n].tolist(), times[:n].tolist(), self.logprobs.take(n), strict=True
+            ):
+                prompt = self.logprobs.prompt()
+                self.queue.put_nowait(TokenEvent(self.request_id, token, None, None, stamp, lp, prompt))
+            return
         # tolist() once: numpy scalar indexing per token was a visible share of a saturated front end.
         for token, stamp in zip(tokens[:n].tolist(), times[:n].tolist(), strict=True):
             self.queue.put_nowait(TokenEvent(self.request_id, token, timestamp_ns=stamp))
@@ -42,7 +51,10 @@ class Pending:
         if code != ErrorCode.NONE or reason is FinishReason.ERROR:
             name = ErrorCode(code).name.lower() if code in ErrorCode._value2member_map_ else f"error {code}"
             error = f"{name}: {detail}" if detail else name
-        self.queue.put_nowait(TokenEvent(self.request_id, token, reason, error, stamp))
+        lp = prompt = None
+        if self.logprobs is not None and token is not None:
+            lp, prompt = self.logprobs.take(1)[0], self.logprobs.prompt()
+        self.queue.put_nowait(TokenEvent(self.request_id, token, reason, error, stamp, lp, prompt))
         self.terminated = True
 
     def terminate(self, reason: FinishReason, error: str) -> None:

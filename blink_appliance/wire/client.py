@@ -19,13 +19,12 @@ import numpy as np
 
 from blink_appliance.wire.channels import ChannelBounds, Pending, terminal_written
 from blink_appliance.wire.engine_watch import EngineWatch
+from blink_appliance.wire.errors import EngineBusyError, EngineDeadError
+from blink_appliance.wire.logprob_area import LogprobArea
 from blink_appliance.wire.region import RingRegion, checked_submission
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
 from blink_appliance.wire.ring_cursor import RingCursor
-from blink_appliance.wire.ring_layout import (
-    FINAL_BIT,
-    RingGeometry,
-)
+from blink_appliance.wire.ring_layout import FINAL_BIT, RingGeometry
 from blink_appliance.wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -40,14 +39,6 @@ TIMEOUT_CHECK_NS = 100_000_000
 # overwritten with a value near 2**64 must not make every later store raise.
 REQUEST_ID_LIMIT = 2**63
 U64_MAX = 2**64 - 1
-
-
-class EngineBusyError(Exception):
-    """No room right now (request ring, token arena or in-flight slots full); retry later."""
-
-
-class EngineDeadError(Exception):
-    """The engine's heartbeat is stale or it is not running."""
 
 
 class EngineClient:
@@ -92,6 +83,7 @@ class EngineClient:
         self._by_slot: dict[int, Pending] = {}
         self._by_id: dict[int, Pending] = {}
         self._free: deque[int] = deque()
+        self._logprob_area = LogprobArea(self.geometry.logprob_pairs)
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
         self._ring_repair_limit_s = ring_repair_limit_s
@@ -134,6 +126,7 @@ class EngineClient:
                 self._tracked_gen[slot] = gen
                 self._bounds.claim(slot, done, self.geometry.max_output_tokens)
                 r.store_ctl(slot, "cancel", gen)
+        self._logprob_area.adopt({s for s in range(self.geometry.max_inflight) if self._tracked_gen[s]})
         self._watch.restart(r)
 
     async def close(self) -> None:
@@ -188,7 +181,10 @@ class EngineClient:
         except OverflowError as e:
             raise ValueError(f"a sampling parameter does not fit the request record: {e}") from None
 
-        slot = self._free.popleft()
+        slot = self._free[0]
+        stream = self._logprob_area.open(r, slot, params, n)  # raises EngineBusyError when full
+        record[0]["lp_offset"] = stream.offset if stream else 0
+        self._free.popleft()
         generation = int(r.load_ctl(slot, "generation")) % U64_MAX + 1
         done = r.load_progress(slot, "done")
         if generation == done:  # an overwritten done word would end the request at once
@@ -215,13 +211,10 @@ class EngineClient:
 
         self._active_ns = time.monotonic_ns()
         self._wake()  # the pump spins again while this request is young
-        pending = Pending(request_id, slot, generation)
-        if self.request_timeout_ns:
-            pending.deadline_ns = time.monotonic_ns() + self.request_timeout_ns
-        self._by_id[request_id] = pending
-        self._by_slot[slot] = pending
-        self._tracked_gen[slot] = generation
-        self._delivered[slot] = 0
+        deadline = time.monotonic_ns() + self.request_timeout_ns if self.request_timeout_ns else 0
+        pending = Pending(request_id, slot, generation, deadline_ns=deadline, logprobs=stream)
+        self._by_id[request_id] = self._by_slot[slot] = pending
+        self._tracked_gen[slot], self._delivered[slot] = generation, 0
         return request_id
 
     async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
@@ -445,6 +438,7 @@ class EngineClient:
         """The engine is done with the slot: free it (the id stays known until its stream has ended)."""
         self._tracked_gen[slot] = 0
         self._bounds.faulted[slot] = False
+        self._logprob_area.release(slot)
         self._free.append(slot)
         self._by_slot.pop(slot, None)
 

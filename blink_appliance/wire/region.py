@@ -8,17 +8,19 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from blink_appliance.wire.request import SamplingParams
+from blink_appliance.wire.request import SamplingParams, TokenLogprobs
 from blink_appliance.wire.ring_layout import (
     CHANNEL_CTL,
     CHANNEL_PROGRESS,
     CHANNEL_STATUS,
     CONTROL,
+    LOGPROB_PAIR,
     MAGIC,
     TELEMETRY_FIELDS,
     RingGeometry,
     RingLayout,
     geometry_header,
+    logprob_row_count,
 )
 from blink_appliance.wire.transport import Transport
 
@@ -93,10 +95,15 @@ class RingRegion:
         return np.zeros(1, dtype=self.layout.request)
 
     def request_record(
-        self, ids: tuple[int, int, int, int], prompt: tuple[int, int, int], params: SamplingParams
+        self,
+        ids: tuple[int, int, int, int],
+        prompt: tuple[int, int, int],
+        params: SamplingParams,
+        lp_offset: int = 0,
     ) -> np.ndarray:
         """A request record: ids = (request_id, generation, slot, priority), prompt = (arena offset,
-        arena end, length), and the sampling parameters; publish it with `publish_record`."""
+        arena end, length), the sampling parameters, and where its logprob rows start (when it asks
+        for logprobs); publish it with `publish_record`."""
         record = self.new_record()
         rec = record[0]
         rec["request_id"], rec["generation"], rec["slot"], rec["priority"] = ids
@@ -110,6 +117,8 @@ class RingRegion:
         rec["has_seed"], rec["seed"] = int(params.seed is not None), params.seed or 0
         rec["n_stop"] = len(params.stop_token_ids)
         rec["stop_ids"][: len(params.stop_token_ids)] = params.stop_token_ids
+        rec["logprobs"] = 0 if params.logprobs is None else params.logprobs + 1
+        rec["prompt_logprobs"], rec["lp_offset"] = int(params.prompt_logprobs), lp_offset
         return record
 
     def record_seq(self, position: int) -> int:
@@ -209,6 +218,20 @@ class RingRegion:
             for i in range(len(spans))
         ]
 
+    # -- logprob area -----------------------------------------------------------------------------
+    def write_logprob_rows(self, first: int, rows: Sequence[TokenLogprobs], width: int) -> None:
+        """Rows of `width` pairs from pair `first` on (the engine, before the count that covers them)."""
+        pairs = np.zeros((len(rows), width), dtype=LOGPROB_PAIR)
+        for i, row in enumerate(rows):
+            pairs[i, 0] = (row.token_id, row.logprob)
+            for j, pair in enumerate(row.top[: width - 1], 1):
+                pairs[i, j] = pair
+        self.transport.write(self.layout.logprob_pair(first), pairs.tobytes())
+
+    def read_logprob_pairs(self, first: int, n: int) -> np.ndarray:
+        raw = self.transport.read(self.layout.logprob_pair(first), LOGPROB_PAIR.itemsize * n)
+        return np.frombuffer(raw, dtype=LOGPROB_PAIR)
+
     # -- telemetry (seqlock: odd while the engine writes) ------------------------------------------
     def write_telemetry(self, values: Mapping[str, float]) -> None:
         # Start from an even word: a writer that died mid-write (a recovered engine) left it odd,
@@ -268,4 +291,13 @@ def checked_submission(
         raise ValueError("stop token ids must be in [0, 2**31)")
     if not -(2**31) <= priority < 2**31:
         raise ValueError(f"priority must fit in int32, got {priority}")
+    if params.logprobs is not None:
+        pairs = logprob_row_count(prompt.size, params.max_tokens, params.prompt_logprobs) * (
+            1 + params.logprobs
+        )
+        if pairs > g.logprob_pairs:
+            raise ValueError(
+                f"logprobs for this request need {pairs} (token, logprob) pairs; this server's logprob "
+                f"area holds {g.logprob_pairs}" + (" (logprobs are off)" if not g.logprob_pairs else "")
+            )
     return prompt

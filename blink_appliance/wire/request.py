@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's and vLLM's limit)
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id (stop strings are the front end's business)
@@ -27,6 +29,10 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities: None = off, else the chosen token's and the N most likely (0 <= N <= 20) per
+    # generated token; prompt_logprobs adds them for prompt positions 1.. (echo).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -42,6 +48,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (how many alternatives per position)")
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +64,16 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first; FCFS within a class
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities (docs/api.md, "Logprobs"): the token's, and the N most
+    likely tokens' in descending order (ties: lower id first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,9 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: str | None = None
     timestamp_ns: int = 0
+    logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
+    # Prompt positions 1..n-1, on a request's first token event when it asked (prompt_logprobs).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:

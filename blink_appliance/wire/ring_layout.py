@@ -13,6 +13,7 @@ Region, in order (each section starts on a 64-byte boundary):
   chan_stat  CHANNEL_STATUS [max_inflight]           written by the engine (finish, error)
   tokens     int32 [max_inflight, max_output_tokens] written by the engine
   times      int64 [max_inflight, max_output_tokens] written by the engine (monotonic ns)
+  logprobs   LOGPROB_PAIR [logprob_pairs]            written by the engine where a record points
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numpy as np
 from blink_appliance.wire.request import FinishReason
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-VERSION = 3  # 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s
+# 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s; 4: the logprob area
+VERSION = 4
 CACHE_LINE = 64
 # Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
 # set in the same store that publishes the terminal token, so a reader never mistakes the last
@@ -44,6 +46,9 @@ class RingGeometry:
     max_inflight: int = 256  # requests submitted and not yet fully read by the front end
     max_output_tokens: int = 4096  # one request's output tokens
     max_stop_ids: int = 16  # stop token ids per request
+    # (token, logprob) pairs of the logprob area, shared by the requests in flight that ask for
+    # logprobs (docs/protocol.md, "Logprob area"); 0: no area, logprobs are refused.
+    logprob_pairs: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in (
@@ -61,6 +66,10 @@ class RingGeometry:
             raise ValueError(
                 f"RingGeometry.max_prompt_tokens ({self.max_prompt_tokens}) must be <= "
                 f"arena_tokens ({self.arena_tokens})"
+            )
+        if not isinstance(self.logprob_pairs, int) or not 0 <= self.logprob_pairs < 2**31:
+            raise ValueError(
+                f"RingGeometry.logprob_pairs must be an int in [0, 2**31), got {self.logprob_pairs!r}"
             )
 
 
@@ -175,6 +184,7 @@ def _control_dtype() -> np.dtype:
         ("max_inflight", "<u4", 36),
         ("max_output_tokens", "<u4", 40),
         ("max_stop_ids", "<u4", 44),
+        ("logprob_pairs", "<u4", 48),
         # line 1: front end's producer words
         ("req_head", "<u8", 64),  # records published so far
         ("arena_head", "<u8", 72),  # arena tokens allocated so far (absolute)
@@ -223,9 +233,12 @@ def _request_dtype(geometry: RingGeometry) -> np.dtype:
         ("has_seed", "<u4", 92),
         ("ignore_eos", "<u4", 96),
         ("n_stop", "<u4", 100),
-        ("stop_ids", ("<i4", (geometry.max_stop_ids,)), 104),
+        ("logprobs", "<u4", 104),  # 0: none; N + 1 for N alternatives (a zeroed record asks for none)
+        ("prompt_logprobs", "<u4", 108),  # 1: prompt positions 1.. get rows too
+        ("lp_offset", "<u8", 112),  # first pair of the request's rows in the logprob area
+        ("stop_ids", ("<i4", (geometry.max_stop_ids,)), 120),
     ]
-    return _struct(fields, _round_up(104 + stop_bytes, CACHE_LINE))
+    return _struct(fields, _round_up(120 + stop_bytes, CACHE_LINE))
 
 
 CHANNEL_CTL = _struct(
@@ -254,6 +267,18 @@ CHANNEL_STATUS = _struct(
     24 + ERROR_DETAIL_BYTES,
 )
 CONTROL = _control_dtype()
+# One entry of a logprob row: a row is 1 + N pairs, the position's own token then the N most likely.
+LOGPROB_PAIR = _struct([("token", "<i4", 0), ("logprob", "<f4", 4)], 8)
+
+
+def logprob_row_count(prompt_len: int, max_tokens: int, prompt_logprobs: bool) -> int:
+    """Rows a request's logprobs take: prompt positions 1..prompt_len-1 when asked, then its outputs."""
+    return max_tokens + (prompt_len - 1 if prompt_logprobs else 0)
+
+
+def output_logprob_row(index: int, prompt_len: int, prompt_logprobs: bool) -> int:
+    """The row of output token `index` (prompt position p, when asked, is row p - 1)."""
+    return index + (prompt_len - 1 if prompt_logprobs else 0)
 
 
 @dataclass(frozen=True)
@@ -269,6 +294,7 @@ class RingLayout:
     chan_stat: int
     tokens: int
     times: int
+    logprobs: int
     size: int
 
     @classmethod
@@ -283,6 +309,7 @@ class RingLayout:
             ("chan_stat", CHANNEL_STATUS.itemsize * g.max_inflight),
             ("tokens", 4 * g.max_inflight * g.max_output_tokens),
             ("times", 8 * g.max_inflight * g.max_output_tokens),
+            ("logprobs", LOGPROB_PAIR.itemsize * g.logprob_pairs),
         ]
         offsets: dict[str, int] = {}
         at = _round_up(CONTROL.itemsize, CACHE_LINE)
@@ -317,6 +344,9 @@ class RingLayout:
     def time(self, slot: int, index: int) -> int:
         return self.times + 8 * (slot * self.geometry.max_output_tokens + index)
 
+    def logprob_pair(self, index: int) -> int:
+        return self.logprobs + LOGPROB_PAIR.itemsize * index
+
 
 def region_size(geometry: RingGeometry) -> int:
     return RingLayout.of(geometry).size
@@ -335,5 +365,6 @@ def geometry_header(geometry: RingGeometry) -> dict[str, int]:
         "max_inflight": geometry.max_inflight,
         "max_output_tokens": geometry.max_output_tokens,
         "max_stop_ids": geometry.max_stop_ids,
+        "logprob_pairs": geometry.logprob_pairs,
         "region_bytes": layout.size,  # last: a geometry mismatch is reported by its field first
     }

@@ -23,11 +23,12 @@ from blink_appliance.kernels.loop_codes import (
     ControlWords,
     ErrorCodes,
     FinishCodes,
+    LogprobArea,
     RequestFields,
     ScheduleCounters,
     SlotStates,
 )
-from blink_appliance.wire.request import FinishReason
+from blink_appliance.wire.request import MAX_LOGPROBS, FinishReason
 from blink_appliance.wire.ring_layout import (
     CHANNEL_CTL,
     CHANNEL_PROGRESS,
@@ -35,6 +36,7 @@ from blink_appliance.wire.ring_layout import (
     CONTROL,
     FINISH_CODES,
     ErrorCode,
+    RingGeometry,
     RingLayout,
 )
 
@@ -100,6 +102,10 @@ def request_fields(layout: RingLayout) -> RequestFields:
             )
         _check_word(f"request record field {name}", *fields[name][:2], REQUEST_FIELD_DTYPES[name])
     return _by_name(RequestFields, lambda name: fields[name][1])
+
+
+def logprob_area(geometry: RingGeometry) -> LogprobArea:
+    return LogprobArea(pairs=geometry.logprob_pairs, max_top_n=MAX_LOGPROBS)
 
 
 def check_parameters(kernel: Any, args: Mapping[str, object], constexprs: Mapping[str, object]) -> None:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 import torch
 import triton
 
+from blink_appliance.engine.loop.logprobs import DeviceLogprobs
 from blink_appliance.engine.loop.state import DeviceState
 from blink_appliance.kernels.sampling import (
     INT64_MAX,
@@ -87,6 +88,7 @@ class DeviceSampler:
         rejection_chunk: int = REJECTION_CHUNK,
         rejection_rounds: int = REJECTION_ROUNDS,
         programs_per_sm: int = PROGRAMS_PER_SM,
+        logprobs: DeviceLogprobs | None = None,
     ) -> None:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32:
@@ -116,7 +118,11 @@ class DeviceSampler:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self.programs = programs_per_sm * sms
         by_index = {SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection, SAMPLER_FULL: self.full}
-        self._variants = tuple(by_index[i] for i in range(len(by_index)))  # host mode looks one up per step
+        base = tuple(by_index[i] for i in range(len(by_index)))
+        # Then each again followed by the logprob rows (SAMPLER_LOGPROBS + i), when the loop has them.
+        with_logprobs = tuple(self._then_logprobs(v) for v in base) if logprobs is not None else ()
+        self.logprobs = logprobs
+        self._variants = base + with_logprobs  # host mode looks one up per step
 
     # -- the two variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
@@ -187,6 +193,13 @@ class DeviceSampler:
             self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
             rounds=self.rejection_rounds, programs=self.programs, precise=self.precise,
         )  # fmt: skip
+
+    def _then_logprobs(self, variant: Callable[[], None]) -> Callable[[], None]:
+        def sample_then_logprobs() -> None:
+            variant()
+            self.logprobs.launch()
+
+        return sample_then_logprobs
 
     def variants(self) -> tuple[Callable[[], None], ...]:
         """The variants by sampler_index (kernels/sampling.py SAMPLER_*)."""

@@ -125,6 +125,8 @@ class DeviceState:
     num_blocks: torch.Tensor
     finish_reason: torch.Tensor  # FINISH_CODES (ring_layout) once FINISHING, else 0
     error_code: torch.Tensor  # ErrorCode (ring_layout)
+    lp_top_n: torch.Tensor  # logprob alternatives the request asked for; -1: no logprobs
+    lp_offset: torch.Tensor  # int64: the first pair of its rows in the ring's logprob area
 
     # -- KV block free list (a stack) -------------------------------------------------------------
     free_blocks: torch.Tensor  # [num_kv_blocks]; entries [0, free_top) are free block ids
@@ -181,7 +183,7 @@ class DeviceState:
             max_tokens=i32(D), temperature=f32(D), top_p=f32(D, fill=1.0), top_k=i32(D), min_p=f32(D),
             seed=i64(D), ignore_eos=i32(D), n_stop=i32(D), stop_ids=i32(D, g.max_stop_ids, fill=-1),
             token_ids=i32(D, g.max_model_len), block_table=i32(D, g.max_blocks_per_seq, fill=-1),
-            num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D),
+            num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D), lp_top_n=i32(D, fill=-1), lp_offset=i64(D),
             # Popping from the top hands out low block ids first, like the reference allocator.
             free_blocks=torch.arange(g.num_kv_blocks - 1, -1, -1, dtype=torch.int32, device=device),
             free_top=i32(1, fill=g.num_kv_blocks),

@@ -22,6 +22,7 @@ import torch
 from blink_appliance.engine.loop.commit import DeviceCommit
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 from blink_appliance.engine.loop.graph import Segment, engine_body
+from blink_appliance.engine.loop.logprobs import DeviceLogprobs
 from blink_appliance.engine.loop.progress import stage
 from blink_appliance.engine.loop.sampler import DeviceSampler
 from blink_appliance.engine.loop.scheduler import DeviceScheduler
@@ -135,7 +136,10 @@ class LoopStep:
         """A fresh DeviceState and the schedule / sample / commit parts around an existing forward."""
         state = DeviceState.allocate(geometry, forward.logits.device)
         scheduler = DeviceScheduler(geometry, state, region, layout, forward.inputs, engine_seed)
-        sampler = DeviceSampler(state, forward.logits)
+        logprobs = (
+            DeviceLogprobs(state, forward.logits, region, layout) if layout.geometry.logprob_pairs else None
+        )
+        sampler = DeviceSampler(state, forward.logits, logprobs=logprobs)
         commit = DeviceCommit(geometry, state, region, layout)
         return cls(geometry, state, scheduler, forward, sampler, commit, graphs)
 

@@ -20,7 +20,7 @@ from blink_appliance.engine.reference.model_runner import ModelRunner
 from blink_appliance.engine.reference.scheduler import Scheduler, SchedulerConfig
 from blink_appliance.engine.reference.sequence import Sequence
 from blink_appliance.model.llama import LlamaModel
-from blink_appliance.wire.request import FinishReason, Request, TokenEvent
+from blink_appliance.wire.request import FinishReason, Request, TokenEvent, TokenLogprobs
 
 
 @dataclass
@@ -171,16 +171,22 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             raise RuntimeError("scheduler produced an empty step with work pending (engine bug)")
-        tokens = self.runner.run(out)
+        result = self.runner.run(out)
         self.steps += 1
         for c in out.chunks:
             c.seq.num_computed_tokens = c.end
+            scored = result.prompt_logprobs.get(c.seq.request_id)
+            if scored:
+                c.seq.prompt_logprobs_pending.extend(scored)
+                c.seq.prompt_logprobs_next += len(scored)
         now = time.monotonic_ns()
-        for c, token in zip(out.sampling_chunks, tokens, strict=True):
-            events.append(self._commit(c.seq, token, now))
+        for c, token, lp in zip(out.sampling_chunks, result.tokens, result.logprobs, strict=True):
+            events.append(self._commit(c.seq, token, now, lp))
         return events
 
-    def _commit(self, seq: Sequence, token: int, now: int) -> TokenEvent:
+    def _commit(
+        self, seq: Sequence, token: int, now: int, logprobs: TokenLogprobs | None = None
+    ) -> TokenEvent:
         """Append a sampled token and apply the stop rules, in order: EOS, stop ids, max_tokens, max_model_len."""
         seq.token_ids.append(token)
         self.generated_tokens += 1
@@ -194,7 +200,12 @@ class LLMEngine:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
-        return TokenEvent(seq.request_id, token, reason, timestamp_ns=now)
+        prompt = None
+        if seq.params.prompt_logprobs and seq.num_output_tokens == 1:
+            prompt, seq.prompt_logprobs_pending = tuple(seq.prompt_logprobs_pending), []
+        return TokenEvent(
+            seq.request_id, token, reason, timestamp_ns=now, logprobs=logprobs, prompt_logprobs=prompt
+        )
 
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

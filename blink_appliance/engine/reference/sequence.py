@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from blink_appliance.wire.request import FinishReason, SamplingParams
+from blink_appliance.wire.request import FinishReason, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +39,10 @@ class Sequence:
     wait_since: int = 0  # the scheduler's step clock when it last entered the waiting queue (aging)
     run_priority: int = 0  # its effective priority when last admitted: its class while RUNNING
     run_order: int = 0  # admission counter: order within a class while RUNNING
+    # prompt_logprobs: the next prompt position to score, and the scored ones not yet sent (they go
+    # out with the first token).
+    prompt_logprobs_next: int = 1
+    prompt_logprobs_pending: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

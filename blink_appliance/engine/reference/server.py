@@ -28,12 +28,14 @@ from blink_appliance.wire.lifecycle import (
     write_terminal,
 )
 from blink_appliance.wire.region import RingRegion
-from blink_appliance.wire.request import FinishReason, Request, SamplingParams, TokenEvent
+from blink_appliance.wire.request import MAX_LOGPROBS, FinishReason, Request, SamplingParams, TokenEvent
 from blink_appliance.wire.ring_layout import (
     SERVING_COUNTER_FIELDS,
     STEP_TIME_FIELDS,
     ErrorCode,
     RingGeometry,
+    logprob_row_count,
+    output_logprob_row,
     step_time_bucket,
 )
 from blink_appliance.wire.transport import Transport
@@ -60,6 +62,8 @@ class _Live:
     slot: int
     generation: int
     written: int = 0
+    # Its rows in the logprob area, when it asked: first pair, pairs per row, row of output 0.
+    logprobs: tuple[int, int, int] | None = None
 
 
 class _Rejected(Exception):
@@ -228,7 +232,15 @@ class EngineServer:
             self._counters["requests_rejected"] += 1
             write_terminal(self.region, slot, gen, FinishReason.ERROR, ErrorCode.ENGINE_REJECTED, str(exc))
             return
-        self._live[request.request_id] = _Live(slot, gen)
+        p = request.params
+        span = None
+        if p.logprobs is not None:
+            span = (
+                int(record["lp_offset"]),
+                1 + p.logprobs,
+                output_logprob_row(0, len(request.prompt_token_ids), p.prompt_logprobs),
+            )
+        self._live[request.request_id] = _Live(slot, gen, logprobs=span)
         self._live_gen[slot] = gen
         self._slot_request[slot] = request.request_id
         self._counters["requests_admitted"] += 1
@@ -276,6 +288,7 @@ class EngineServer:
         for name, value in flags.items():
             if value not in (0, 1):
                 raise _Rejected(ErrorCode.INVALID_PARAMS, f"{name} must be 0 or 1, got {value}")
+        logprobs = self._decode_logprobs(record, n, max_tokens)
         floats = {name: float(record[name]) for name in ("temperature", "top_p", "min_p")}
         for name, value in floats.items():
             if not math.isfinite(value):
@@ -289,12 +302,32 @@ class EngineServer:
             max_tokens=max_tokens,
             stop_token_ids=tuple(int(t) for t in stop_ids),
             ignore_eos=bool(flags["ignore_eos"]),
+            logprobs=logprobs,
+            prompt_logprobs=bool(record["prompt_logprobs"]),
         )
         try:
             params.validate()
         except ValueError as exc:
             raise _Rejected(ErrorCode.INVALID_PARAMS, str(exc)) from None
         return Request(request_id, prompt.tolist(), params, priority=int(record["priority"]))
+
+    def _decode_logprobs(self, record: np.void, prompt_len: int, max_tokens: int) -> int | None:
+        """The record's top-N count (None: no logprobs), once its rows fit the logprob area."""
+        top_n, prompt = int(record["logprobs"]) - 1, int(record["prompt_logprobs"])
+        if top_n == -1 and prompt == 0:
+            return None
+        if not 0 <= top_n <= MAX_LOGPROBS or prompt not in (0, 1):
+            raise _Rejected(
+                ErrorCode.INVALID_PARAMS, f"logprobs {top_n} / prompt_logprobs {prompt} out of range"
+            )
+        rows = logprob_row_count(prompt_len, max_tokens, bool(prompt))
+        offset, end = int(record["lp_offset"]), int(record["lp_offset"]) + rows * (1 + top_n)
+        if end > self.geometry.logprob_pairs:
+            raise _Rejected(
+                ErrorCode.BAD_RECORD,
+                f"logprob rows [{offset}, {end}) are outside the area of {self.geometry.logprob_pairs} pairs",
+            )
+        return top_n
 
     # -- cancellation and reclaim -----------------------------------------------------------------
     def _apply_cancels(self) -> None:
@@ -338,6 +371,8 @@ class EngineServer:
                     self._finish(event.request_id, FinishReason.LENGTH, ErrorCode.NONE, "", token=False)
                     continue
                 stamp = event.timestamp_ns or time.monotonic_ns()
+                if live.logprobs is not None:
+                    self._write_logprobs(live, event)
                 r.write_output_token(live.slot, live.written, event.token_id, stamp)
                 live.written += 1
                 if not event.finished:  # a terminal token is published with the final count
@@ -354,6 +389,14 @@ class EngineServer:
                     token=event.token_id is not None,
                     stamp=event.timestamp_ns,
                 )
+
+    def _write_logprobs(self, live: _Live, event: TokenEvent) -> None:
+        """The token's row (and, with the first token, the prompt's rows), before the count covers them."""
+        first, width, row0 = live.logprobs
+        if event.prompt_logprobs:
+            self.region.write_logprob_rows(first, event.prompt_logprobs, width)
+        if event.logprobs is not None:
+            self.region.write_logprob_rows(first + (row0 + live.written) * width, [event.logprobs], width)
 
     def _finish(
         self,
