@@ -63,15 +63,23 @@ class Case:
     batch: int
     sampled: bool
     logprobs: int | None = None  # every row asks for this many alternatives
+    penalized: bool = False  # every row has repetition, frequency and presence penalties
 
     @property
     def name(self) -> str:
         lp = "" if self.logprobs is None else f"-lp{self.logprobs}"
-        return f"b{self.batch}-{'sampled' if self.sampled else 'greedy'}{lp}"
+        return f"b{self.batch}-{'sampled' if self.sampled else 'greedy'}{lp}{'-penalized' if self.penalized else ''}"
 
     def params(self, index: int, max_tokens: int) -> SamplingParams:
         random = dict(temperature=0.7, top_p=0.9, seed=index + 1) if self.sampled else dict(temperature=0.0)
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=self.logprobs, **random)
+        penalties = (
+            dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
+            if self.penalized
+            else {}
+        )
+        return SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, logprobs=self.logprobs, **random, **penalties
+        )
 
 
 class Clock:
@@ -301,7 +309,7 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
             for b in batches
             for s in (tuple(map(bool, args.sampled or (0, 1))))
             for lp in (None, *args.logprobs)
-        ]
+        ] + ([Case(b, False, None, True) for b in batches] if args.penalties else [])
         # Host-driven launches read these two per step; the loop's captured graph keeps its own.
         knobs = [
             (w, r)
@@ -397,6 +405,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument(
         "--logprobs", nargs="*", type=int, default=[], help="also each case with logprobs=N on every row"
     )
+    ap.add_argument("--penalties", action="store_true", help="also greedy cases with penalties on every row")
     out = Path(os.environ["OUT"]) / "loop_profile.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=out, help="JSON report (default $OUT/loop_profile.json)")
     args = ap.parse_args()

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from blink_appliance.frontend.errors import APIError, bad_request, service_unavailable
@@ -99,6 +99,13 @@ class Prepared:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    def choice(self, index: int) -> Prepared:
+        """Choice `index` of an n > 1 request: the same request on its own seed stream (seed + index
+        when seeded, as vLLM's; else the engine draws one), counting its own tokens."""
+        seed = self.params.seed
+        params = replace(self.params, seed=None if seed is None else (seed + index) % 2**63)
+        return replace(self, params=params, completion_tokens=0)
 
 
 @dataclass(frozen=True)
@@ -277,6 +284,10 @@ class CompletionService:
             ignore_eos=req.ignore_eos,
             logprobs=req.top_n,
             prompt_logprobs=req.top_n is not None and req.echoes,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=self._logit_bias(req.logit_bias),
         )
         try:
             params.validate()
@@ -296,6 +307,19 @@ class CompletionService:
             top_n=req.top_n,
             score_only=score_only,
         )
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} map as (id, bias) pairs, each id in the vocabulary."""
+        pairs = tuple((int(key), float(value)) for key, value in (bias or {}).items())
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t, _ in pairs if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias"
+            )
+        if len({t for t, _ in pairs}) != len(pairs):  # "5" and "05" name one token
+            raise bad_request("logit_bias names a token more than once", "logit_bias")
+        return pairs
 
     def _prompt_deltas(self, prep: Prepared) -> list[str]:
         """Each prompt token's share of the prompt's text, decoded as the completion's tokens are."""

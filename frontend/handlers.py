@@ -95,21 +95,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     def logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
         return None if prep.top_n is None else completion_logprobs(entries, service.token_strings)
 
-    def chunk(
-        text: str | None,
-        reason: str | None = None,
-        use: dict[str, int] | None = None,
-        entries: Sequence[LogprobEntry] = (),
-    ) -> dict[str, Any]:
+    def chunk(index: int, text: str | None, reason: str | None = None, use: dict[str, int] | None = None,
+              entries: Sequence[LogprobEntry] = ()) -> dict[str, Any]:  # fmt: skip
+        lp = logprobs(entries)
         return completion_chunk(
-            prep.rid, model, created, text=text, finish_reason=reason, usage_=use, logprobs=logprobs(entries)
+            prep.rid, model, created, text=text, finish_reason=reason, usage_=use, logprobs=lp, index=index
         )
 
-    def whole(text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
-        use = usage(prep.prompt_tokens, prep.completion_tokens)
-        return completion_body(prep.rid, model, text, reason, use, created, logprobs(entries))
+    def whole(index: int, text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+        return completion_body(prep.rid, model, text, reason, None, created, logprobs(entries), index=index)
 
-    return await _respond(request, service, prep, chunk, whole)
+    return await _respond(request, service, prep, req.n, chunk, whole)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -118,68 +114,113 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prep = await service.prepare_chat(req, request.get(KEY_PRIORITY))
     model = service.limits.model_name
     created = now_s()
-    first = True
+    opened: set[int] = set()  # choices whose stream has sent its role
 
     def logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
         return None if prep.top_n is None else chat_logprobs(entries, service.token_strings)
 
-    def chunk(
-        text: str | None,
-        reason: str | None = None,
-        use: dict[str, int] | None = None,
-        entries: Sequence[LogprobEntry] = (),
-    ) -> dict[str, Any]:
-        nonlocal first
+    def chunk(index: int, text: str | None, reason: str | None = None, use: dict[str, int] | None = None,
+              entries: Sequence[LogprobEntry] = ()) -> dict[str, Any]:  # fmt: skip
         if text is None:
             delta = None
-        elif first:  # OpenAI opens the stream with the role
-            delta, first = {"role": "assistant", "content": text}, False
+        elif index not in opened:  # OpenAI opens each choice's stream with the role
+            delta = {"role": "assistant", "content": text}
+            opened.add(index)
         else:
             delta = {"content": text} if text or reason is None else {}
         lp = logprobs(entries) if entries else None
         return chat_chunk(
-            prep.rid, model, created, delta=delta, finish_reason=reason, usage_=use, logprobs=lp
+            prep.rid, model, created, delta=delta, finish_reason=reason, usage_=use, logprobs=lp, index=index
         )
 
-    def whole(text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
-        use = usage(prep.prompt_tokens, prep.completion_tokens)
-        return chat_body(prep.rid, model, text, reason, use, created, logprobs(entries))
+    def whole(index: int, text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+        return chat_body(prep.rid, model, text, reason, None, created, logprobs(entries), index=index)
 
-    return await _respond(request, service, prep, chunk, whole)
+    return await _respond(request, service, prep, req.n, chunk, whole)
 
 
 async def _respond(
     request: web.Request,
     service: CompletionService,
     prep: Prepared,
+    n: int,
     chunk: Callable[..., dict[str, Any]],
-    whole: Callable[[str, str | None, Sequence[LogprobEntry]], dict[str, Any]],
+    whole: Callable[[int, str, str | None, Sequence[LogprobEntry]], dict[str, Any]],
 ) -> web.StreamResponse:
-    async with contextlib.aclosing(service.generate(prep)) as pieces:
-        await anext(pieces)  # admission: raises APIError (400/503) while we can still send a status
+    """n choices: n engine requests of the same prompt (each its own seed stream, Prepared.choice)."""
+    preps = [prep, *(prep.choice(i) for i in range(1, n))]
+
+    def use() -> dict[str, int]:
+        return usage(prep.prompt_tokens, sum(p.completion_tokens for p in preps))
+
+    async with contextlib.AsyncExitStack() as stack:
+        pieces = [await stack.enter_async_context(contextlib.aclosing(service.generate(p))) for p in preps]
+        for choice in pieces:  # admission of every choice (APIError 400/503 while a status can still be sent;
+            await anext(choice)  # leaving closes the ones admitted, which cancels them)
         if not prep.stream:
-            return await _whole_response(pieces, whole)
-        return await _stream_response(request, prep, pieces, chunk)
+            return await _whole_response(pieces, whole, use)
+        return await _stream_response(request, prep, pieces, chunk, use)
 
 
 async def _whole_response(
-    pieces: AsyncIterator[Piece], whole: Callable[[str, str | None, Sequence[LogprobEntry]], dict[str, Any]]
+    pieces: list[AsyncIterator[Piece]],
+    whole: Callable[[int, str, str | None, Sequence[LogprobEntry]], dict[str, Any]],
+    use: Callable[[], dict[str, int]],
 ) -> web.Response:
-    texts: list[str] = []
-    entries: list[LogprobEntry] = []
-    reason: str | None = None
+    texts: list[list[str]] = [[] for _ in pieces]
+    entries: list[list[LogprobEntry]] = [[] for _ in pieces]
+    reasons: list[str | None] = [None for _ in pieces]
     try:
-        async for piece in pieces:
-            texts.append(piece.text)
-            entries.extend(piece.logprobs)
-            reason = piece.finish_reason
+        async with contextlib.aclosing(_merged(pieces)) as merged:  # a failure cancels the other choices
+            async for index, piece in merged:
+                texts[index].append(piece.text)
+                entries[index].extend(piece.logprobs)
+                reasons[index] = piece.finish_reason
     except EngineFailure as e:
         raise _failure(e) from None
-    return web.json_response(whole("".join(texts), reason, entries))
+    choices = [whole(i, "".join(texts[i]), reasons[i], entries[i])["choices"][0] for i in range(len(pieces))]
+    return web.json_response(whole(0, "", None, ()) | {"choices": choices, "usage": use()})
+
+
+async def _merged(pieces: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """The choices' pieces as they come, each with its choice's index (one choice: no tasks)."""
+    if len(pieces) == 1:
+        async for piece in pieces[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, choice: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in choice:
+                await queue.put((index, piece))
+            await queue.put((index, None))
+        except Exception as e:  # noqa: BLE001 (handed to the stream, which ends with it)
+            await queue.put((index, e))
+
+    tasks = [asyncio.create_task(pump(i, choice)) for i, choice in enumerate(pieces)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _stream_response(
-    request: web.Request, prep: Prepared, pieces: AsyncIterator[Piece], chunk: Callable[..., dict[str, Any]]
+    request: web.Request,
+    prep: Prepared,
+    pieces: list[AsyncIterator[Piece]],
+    chunk: Callable[..., dict[str, Any]],
+    use: Callable[[], dict[str, int]],
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
@@ -190,12 +231,14 @@ async def _stream_response(
 
     ending: list[dict[str, Any] | str] = []
     try:
-        await send(chunk(""))  # the role chunk for chat; an empty text chunk for completions
-        async for piece in pieces:
-            if piece.text or piece.finish_reason is not None or piece.logprobs:
-                await send(chunk(piece.text, piece.finish_reason, entries=piece.logprobs))
+        for index in range(len(pieces)):
+            await send(chunk(index, ""))  # the role chunk for chat; an empty text chunk for completions
+        async with contextlib.aclosing(_merged(pieces)) as merged:
+            async for index, piece in merged:
+                if piece.text or piece.finish_reason is not None or piece.logprobs:
+                    await send(chunk(index, piece.text, piece.finish_reason, entries=piece.logprobs))
         if prep.include_usage:
-            await send(chunk(None, use=usage(prep.prompt_tokens, prep.completion_tokens)))
+            await send(chunk(0, None, use=use()))
         await send("[DONE]")
     except EngineFailure as e:
         ending = [_failure(e).body(), "[DONE]"]  # the status is already sent: the error goes in the stream

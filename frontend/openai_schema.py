@@ -14,9 +14,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from blink_appliance.frontend.errors import APIError, bad_request, not_supported
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from blink_appliance.wire.request import MAX_LOGPROBS
+from blink_appliance.wire.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_STOP_STRING_CHARS = 256
 
 
@@ -38,7 +39,8 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    n: int = 1
+    # Choices: n engine requests of the prompt, each its own seed stream (seed + i when seeded).
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping; no effect on output
@@ -46,11 +48,12 @@ class _SamplingRequest(BaseModel):
     # and its base class (its API key's, else the model's): a request may lower itself, never raise.
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
 
+    # Penalties (OpenAI's two, vLLM's repetition) and logit_bias (token id as a string -> bias).
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     # OpenAI parameters not built yet: refused unless they ask for the default behaviour.
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     response_format: Any = None
 
     @field_validator("stop")
@@ -76,17 +79,19 @@ class _SamplingRequest(BaseModel):
 
     def unsupported(self) -> APIError | None:
         """The first parameter this appliance cannot honour yet, as a 400, or None."""
-        if self.n != 1:
-            return bad_request(f"n={self.n}: only n=1 is supported (one choice per request)", "n")
         if self.stream_options is not None and not self.stream:
             return bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.logit_bias not in (None, {}):
-            return not_supported("logit_bias")
-        for key in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, key) not in (None, 0, 0.0):
-                return not_supported(key)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            return not_supported("repetition_penalty")
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            return bad_request(
+                f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}", "logit_bias"
+            )
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                return bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                return bad_request(
+                    f"logit_bias for token {key} must be in [-100, 100], got {bias}", "logit_bias"
+                )
         if self.response_format not in (None, {"type": "text"}):
             return not_supported("response_format", "structured output")
         return None
@@ -308,13 +313,14 @@ def completion_body(
     usage_: dict[str, int] | None,
     created: int,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     body["usage"] = usage_
     return body
@@ -325,9 +331,10 @@ def chat_body(
     model: str,
     text: str,
     finish_reason: str | None,
-    usage_: dict[str, int],
+    usage_: dict[str, int] | None,
     created: int,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -336,7 +343,7 @@ def chat_body(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -376,11 +383,12 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return _chunk(rid, "chat.completion.chunk", model, created, choices, usage_)
 
@@ -394,11 +402,12 @@ def completion_chunk(
     finish_reason: str | None = None,
     usage_: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     return _chunk(rid, "text_completion", model, created, choices, usage_)
 

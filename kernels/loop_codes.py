@@ -94,7 +94,13 @@ class RequestFields(NamedTuple):
     logprobs: int
     prompt_logprobs: int
     lp_offset: int
+    presence_penalty: int
+    frequency_penalty: int
+    repetition_penalty: int
+    n_bias: int
     stop_ids: int
+    bias_ids: int
+    bias_values: int
 
 
 # The numpy type each RequestFields entry is read as (stop_ids: its elements); the launcher checks
@@ -119,7 +125,13 @@ REQUEST_FIELD_DTYPES: dict[str, str] = {
     "logprobs": "<u4",
     "prompt_logprobs": "<u4",
     "lp_offset": "<u8",
+    "presence_penalty": "<f8",
+    "frequency_penalty": "<f8",
+    "repetition_penalty": "<f8",
+    "n_bias": "<u4",
     "stop_ids": "<i4",
+    "bias_ids": "<i4",
+    "bias_values": "<f4",
 }
 
 

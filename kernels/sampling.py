@@ -33,6 +33,9 @@ SAMPLER_FULL = 2  # and top-k
 # Added to the variant when a row of the step asks for logprobs: the variant, then the logprob rows
 # (engine/loop/logprobs.py), so steps without them pay nothing.
 SAMPLER_LOGPROBS = 3
+# Added when a row of the step has a penalty or a logit bias: the penalties first (they change the
+# logits the variant and the logprobs read; engine/loop/penalties.py).
+SAMPLER_PENALTIES = 6
 
 
 @triton.jit

@@ -87,6 +87,15 @@ class SlotTensors(NamedTuple):
     error_code: tl.tensor
     lp_top_n: tl.tensor
     lp_offset: tl.tensor
+    penalized: tl.tensor
+    presence_penalty: tl.tensor
+    frequency_penalty: tl.tensor
+    repetition_penalty: tl.tensor
+    n_bias: tl.tensor
+    bias_ids: tl.tensor
+    bias_values: tl.tensor
+    bias_stage_ids: tl.tensor  # the scheduler's scratch: each record's logit_bias on its way to its slot
+    bias_stage_values: tl.tensor
 
 
 class StepTensors(NamedTuple):
@@ -118,6 +127,8 @@ def schedule_kernel(
     run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr, temperature_ptr, top_p_ptr,
     top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr,
     block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr, lp_top_n_ptr, lp_offset_ptr,
+    penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr, repetition_penalty_ptr, n_bias_ptr,
+    bias_ids_ptr, bias_values_ptr,
     # DeviceState, free stack, step tables, sampling rows, control
     free_blocks_ptr, free_top_ptr, step_slot_ptr, step_chunk_ptr, sample_slot_ptr, step_num_tokens_ptr,
     bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr, row_min_p_ptr,
@@ -127,7 +138,7 @@ def schedule_kernel(
     input_ids_ptr, positions_ptr, slot_mapping_ptr, query_start_ptr, context_lens_ptr, block_tables_ptr,
     sample_rows_ptr,
     # the scheduler's own: bucket sizes, scratch, seed for requests without one
-    buckets_ptr, scratch_ptr, snap_ptr, engine_seed,
+    buckets_ptr, scratch_ptr, snap_ptr, engine_seed, bias_stage_ids_ptr, bias_stage_values_ptr,
     # the step's start time: %globaltimer + clock_offset_ns on the GPU, else the host clock (interpreter)
     step_start_ns_ptr, clock_offset_ns_ptr, host_clock_ns_ptr,
     # loop geometry
@@ -137,6 +148,7 @@ def schedule_kernel(
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
     MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr,
+    MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr,
     OFF_RECORDS: tl.constexpr, REC_BYTES: tl.constexpr, OFF_ARENA: tl.constexpr, OFF_CTL: tl.constexpr,
     OFF_PROG: tl.constexpr,
     # tile sizes
@@ -148,23 +160,19 @@ def schedule_kernel(
     CONTROL: tl.constexpr, RECORD: tl.constexpr, CHANNEL: tl.constexpr,
     ON_GPU: tl.constexpr,  # inline PTX on the ring and the clock (compiled for a GPU, not interpreted)
 ):  # fmt: skip
-    slots = SlotTensors(
-        slot_state=slot_state_ptr, chan=chan_ptr, generation=generation_ptr, request_id=request_id_ptr,
-        priority=priority_ptr, arrival=arrival_ptr, run_order=run_order_ptr,
-        run_priority=run_priority_ptr, wait_since=wait_since_ptr, prompt_len=prompt_len_ptr,
-        num_tokens=num_tokens_ptr, num_computed=num_computed_ptr, max_tokens=max_tokens_ptr, seed=seed_ptr,
-        temperature=temperature_ptr, top_p=top_p_ptr, top_k=top_k_ptr, min_p=min_p_ptr, n_stop=n_stop_ptr,
-        ignore_eos=ignore_eos_ptr, stop_ids=stop_ids_ptr, token_ids=token_ids_ptr, num_blocks=num_blocks_ptr,
-        block_table=block_table_ptr, finish_reason=finish_reason_ptr, error_code=error_code_ptr,
-        lp_top_n=lp_top_n_ptr, lp_offset=lp_offset_ptr,
+    slots = SlotTensors(  # positionally, in the order of its fields
+        slot_state_ptr, chan_ptr, generation_ptr, request_id_ptr, priority_ptr, arrival_ptr, run_order_ptr,
+        run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr,
+        temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr,
+        stop_ids_ptr, token_ids_ptr, block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
+        lp_top_n_ptr, lp_offset_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr,
+        repetition_penalty_ptr, n_bias_ptr, bias_ids_ptr, bias_values_ptr, bias_stage_ids_ptr,
+        bias_stage_values_ptr,
     )  # fmt: skip
-    step = StepTensors(
-        step_slot=step_slot_ptr, step_chunk=step_chunk_ptr, sample_slot=sample_slot_ptr,
-        row_temperature=row_temperature_ptr, row_top_k=row_top_k_ptr, row_top_p=row_top_p_ptr,
-        row_min_p=row_min_p_ptr, row_seed=row_seed_ptr, row_output_index=row_output_index_ptr,
-        input_ids=input_ids_ptr, positions=positions_ptr, slot_mapping=slot_mapping_ptr,
-        query_start=query_start_ptr, context_lens=context_lens_ptr, block_tables=block_tables_ptr,
-        sample_rows=sample_rows_ptr,
+    step = StepTensors(  # positionally, in the order of its fields
+        step_slot_ptr, step_chunk_ptr, sample_slot_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr,
+        row_min_p_ptr, row_seed_ptr, row_output_index_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr,
+        query_start_ptr, context_lens_ptr, block_tables_ptr, sample_rows_ptr,
     )  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < D
@@ -218,6 +226,7 @@ def schedule_kernel(
                 st, ch_d, free_d, md, tail, arena_tail, rec, n_records, next_arrival, n_cancelled,
                 engine_seed, ring_ptr, snap_ptr, slots,
                 OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS,
+                MAX_BIAS, BIAS_TILE,
                 MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
                 SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
             )  # fmt: skip

@@ -18,12 +18,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from blink_appliance.kernels.kv_blocks import pop_blocks, push_blocks
-from blink_appliance.kernels.sampling import SAMPLER_FULL, SAMPLER_GREEDY, SAMPLER_LOGPROBS, SAMPLER_REJECTION
+from blink_appliance.kernels.sampling import (
+    SAMPLER_FULL,
+    SAMPLER_GREEDY,
+    SAMPLER_LOGPROBS,
+    SAMPLER_PENALTIES,
+    SAMPLER_REJECTION,
+)
 
 _SAMPLER_GREEDY = tl.constexpr(SAMPLER_GREEDY)
 _SAMPLER_REJECTION = tl.constexpr(SAMPLER_REJECTION)
 _SAMPLER_FULL = tl.constexpr(SAMPLER_FULL)
 _SAMPLER_LOGPROBS = tl.constexpr(SAMPLER_LOGPROBS)
+_SAMPLER_PENALTIES = tl.constexpr(SAMPLER_PENALTIES)
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
@@ -448,4 +455,9 @@ def _write_sample_rows(samples, row, slot, logits_row, slots, step):
     random = samples & (temperature > 0.0)
     need = tl.where(random, tl.where(top_k > 0, _SAMPLER_FULL, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
     logprobs = samples & (tl.load(slots.lp_top_n + slot, mask=samples, other=-1) >= 0)
-    return tl.max(need, 0) + _SAMPLER_LOGPROBS * tl.max(logprobs.to(tl.int32), 0)
+    penalized = samples & (tl.load(slots.penalized + slot, mask=samples, other=0) != 0)
+    return (
+        tl.max(need, 0)
+        + _SAMPLER_LOGPROBS * tl.max(logprobs.to(tl.int32), 0)
+        + _SAMPLER_PENALTIES * tl.max(penalized.to(tl.int32), 0)
+    )

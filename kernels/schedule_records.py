@@ -50,6 +50,10 @@ class RecordFields(NamedTuple):
     logprobs: tl.tensor  # 0: none; N + 1 for N alternatives
     prompt_logprobs: tl.tensor  # the loop scores no prompts: a record asking is refused
     lp_offset: tl.tensor
+    presence_penalty: tl.tensor
+    frequency_penalty: tl.tensor
+    repetition_penalty: tl.tensor  # 0 reads as 1 (off)
+    n_bias: tl.tensor
 
 
 @triton.jit
@@ -96,7 +100,8 @@ def take_records(
     ring_ptr, snap_ptr, slots,
     OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
     MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
-    LOGPROBS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
+    LOGPROBS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
+    VOCAB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_STOP: tl.constexpr, BLOCK_P: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr,
     RECORD: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
@@ -134,8 +139,11 @@ def take_records(
     arena_head = tl.load(snap_ptr + 1, volatile=True)
     c_gen = tl.load(snap_ptr + at + offs_r, volatile=True)
     c_cancel = tl.load(snap_ptr + at + BLOCK_R + offs_r, volatile=True)
+    bias_bad = _stage_biases(
+        ring_ptr, rec, tk, recs.n_bias, slots, VOCAB, MAX_BIAS, BIAS_TILE, BLOCK_R, RECORD
+    )
     local, later, stop_m, stop_ids = _check_records(
-        recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr,
+        recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr, bias_bad,
         ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS, MAX_MODEL_LEN, VOCAB, BLOCK_STOP,
         ERROR, RECORD,
     )  # fmt: skip
@@ -147,6 +155,8 @@ def take_records(
         recs, tk, r_slot, r_outcome, stop_m, stop_ids, next_arrival, n_cancelled, engine_seed, slots,
         MAX_STOP, BLOCK_R, BLOCK_STOP, SLOT, FINISH,
     )  # fmt: skip
+    tl.debug_barrier()  # the staged biases are every thread's to move
+    _move_biases(r_slot, r_outcome, tk, recs.n_bias, slots, MAX_BIAS, BIAS_TILE, BLOCK_R)
     next_arrival += n_admitted
     # All reads of the records and their prompts are done (barrier); then hand the space back.
     tl.debug_barrier()
@@ -185,12 +195,22 @@ def _load_records(ring_ptr, rec, tk, RECORD: tl.constexpr):
         logprobs=tl.load(ring_u32 + (rec + RECORD.logprobs) // 4, volatile=True).to(tl.int64),
         prompt_logprobs=tl.load(ring_u32 + (rec + RECORD.prompt_logprobs) // 4, volatile=True).to(tl.int64),
         lp_offset=tl.load(ring_i64 + (rec + RECORD.lp_offset) // 8, mask=tk, other=0, volatile=True),
+        presence_penalty=tl.load(
+            ring_f64 + (rec + RECORD.presence_penalty) // 8, mask=tk, other=0.0, volatile=True
+        ),
+        frequency_penalty=tl.load(
+            ring_f64 + (rec + RECORD.frequency_penalty) // 8, mask=tk, other=0.0, volatile=True
+        ),
+        repetition_penalty=tl.load(
+            ring_f64 + (rec + RECORD.repetition_penalty) // 8, mask=tk, other=1.0, volatile=True
+        ),
+        n_bias=tl.load(ring_u32 + (rec + RECORD.n_bias) // 4, volatile=True).to(tl.int64),
     )
 
 
 @triton.jit
 def _check_records(
-    recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr,
+    recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr, bias_bad,
     ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr,
     MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
     VOCAB: tl.constexpr, BLOCK_STOP: tl.constexpr, ERROR: tl.constexpr, RECORD: tl.constexpr,
@@ -226,6 +246,10 @@ def _check_records(
         (r_has_seed > 1) | (recs.ignore_eos > 1) | ~finite
         | ~(r_temp >= 0.0) | ~((r_top_p > 0.0) & (r_top_p <= 1.0)) | (recs.top_k < 0)
         | ~((r_min_p >= 0.0) & (r_min_p <= 1.0)) | ((r_has_seed == 1) & (recs.seed < 0))
+        | ~((recs.presence_penalty >= -2.0) & (recs.presence_penalty <= 2.0))
+        | ~((recs.frequency_penalty >= -2.0) & (recs.frequency_penalty <= 2.0))
+        | ~(((recs.repetition_penalty > 0.0) & (recs.repetition_penalty <= 2.0)) | (recs.repetition_penalty == 0.0))
+        | bias_bad
     )  # fmt: skip
     # Logprobs (engine_server._decode_logprobs's order): N + 1 in [1, 21] or 0, no prompt scoring
     # (the loop scores no prompts), then the rows inside the area.
@@ -243,6 +267,52 @@ def _check_records(
             tl.where(c_cancel == r_gen, _CANCELLED,
             tl.where(r_plen > MAX_MODEL_LEN, ERROR.ENGINE_REJECTED, 0))))))))  # fmt: skip
     return local, later, stop_m, stop_ids
+
+
+@triton.jit
+def _stage_biases(ring_ptr, rec, tk, n_bias, slots, VOCAB: tl.constexpr, MAX_BIAS: tl.constexpr,
+                  BIAS_TILE: tl.constexpr, BLOCK_R: tl.constexpr, RECORD: tl.constexpr):  # fmt: skip
+    """Copy each record's logit_bias out of the ring (once: what is checked is what is used) into the
+    scheduler's stage, row r for record r; returns which records have an entry outside the
+    vocabulary or outside [-100, 100], or more entries than a record holds."""
+    offs_r = tl.arange(0, BLOCK_R)
+    jj = tl.arange(0, BIAS_TILE)
+    bad = n_bias > MAX_BIAS
+    for r in range(BLOCK_R):
+        mine = offs_r == r
+        n = tl.minimum(tl.sum(tl.where(mine & tk, n_bias, 0), 0), MAX_BIAS)
+        base = tl.sum(tl.where(mine, rec, 0), 0)
+        wrong = tl.full([], 0, tl.int32)
+        for j0 in range(0, n, BIAS_TILE):
+            m = j0 + jj < n
+            ids = tl.load(ring_ptr.to(tl.pointer_type(tl.int32)) + (base + RECORD.bias_ids) // 4 + j0 + jj,
+                          mask=m, other=0, volatile=True)  # fmt: skip
+            values = tl.load(ring_ptr.to(tl.pointer_type(tl.float32)) + (base + RECORD.bias_values) // 4 + j0 + jj,
+                             mask=m, other=0.0, volatile=True)  # fmt: skip
+            tl.store(slots.bias_stage_ids + r * MAX_BIAS + j0 + jj, ids, mask=m)
+            tl.store(slots.bias_stage_values + r * MAX_BIAS + j0 + jj, values, mask=m)
+            out = (ids < 0) | (ids >= VOCAB) | ~((values >= -100.0) & (values <= 100.0))
+            wrong = tl.maximum(wrong, tl.max((m & out).to(tl.int32), 0))
+        bad = bad | (mine & (wrong > 0))
+    return bad
+
+
+@triton.jit
+def _move_biases(r_slot, r_outcome, tk, n_bias, slots, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr,
+                 BLOCK_R: tl.constexpr):  # fmt: skip
+    """The staged logit_bias of each admitted record into its slot."""
+    offs_r = tl.arange(0, BLOCK_R)
+    jj = tl.arange(0, BIAS_TILE)
+    for r in range(BLOCK_R):
+        mine = (offs_r == r) & tk & (r_slot >= 0) & (r_outcome == 0)
+        n = tl.sum(tl.where(mine, tl.minimum(n_bias, MAX_BIAS), 0), 0)
+        slot = tl.sum(tl.where(mine, r_slot, 0), 0)
+        for j0 in range(0, n, BIAS_TILE):
+            m = j0 + jj < n
+            ids = tl.load(slots.bias_stage_ids + r * MAX_BIAS + j0 + jj, mask=m, other=0)
+            values = tl.load(slots.bias_stage_values + r * MAX_BIAS + j0 + jj, mask=m, other=0.0)
+            tl.store(slots.bias_ids + slot * MAX_BIAS + j0 + jj, ids, mask=m)
+            tl.store(slots.bias_values + slot * MAX_BIAS + j0 + jj, values, mask=m)
 
 
 @triton.jit
@@ -363,6 +433,14 @@ def _fill_record_slots(
     tl.store(slots.n_stop + sl, recs.n_stop.to(tl.int32), mask=adm_r)
     tl.store(slots.lp_top_n + sl, (recs.logprobs - 1).to(tl.int32), mask=adm_r)
     tl.store(slots.lp_offset + sl, recs.lp_offset, mask=adm_r)
+    repetition = tl.where(recs.repetition_penalty == 0.0, 1.0, recs.repetition_penalty).to(tl.float32)
+    presence, frequency = recs.presence_penalty.to(tl.float32), recs.frequency_penalty.to(tl.float32)
+    penalized = (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0) | (recs.n_bias > 0)
+    tl.store(slots.presence_penalty + sl, presence, mask=adm_r)
+    tl.store(slots.frequency_penalty + sl, frequency, mask=adm_r)
+    tl.store(slots.repetition_penalty + sl, repetition, mask=adm_r)
+    tl.store(slots.n_bias + sl, recs.n_bias.to(tl.int32), mask=adm_r)
+    tl.store(slots.penalized + sl, penalized.to(tl.int32), mask=adm_r)
     jj = tl.arange(0, BLOCK_STOP)
     stop_row = tl.where(stop_m, stop_ids, -1)
     tl.store(

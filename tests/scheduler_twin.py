@@ -28,6 +28,7 @@ from blink_appliance.kernels.sampling import (  # noqa: E402
     SAMPLER_FULL,
     SAMPLER_GREEDY,
     SAMPLER_LOGPROBS,
+    SAMPLER_PENALTIES,
     SAMPLER_REJECTION,
 )
 
@@ -280,10 +281,21 @@ class Twin:
             for _, p, _, _ in ref.sampling
         ]
         logprobs = any(p.logprobs is not None for _, p, _, _ in ref.sampling)
-        assert int(s.sampler_index) == max(need, default=SAMPLER_GREEDY) + SAMPLER_LOGPROBS * logprobs
+        penalized = any(p.penalized for _, p, _, _ in ref.sampling)
+        assert int(s.sampler_index) == (
+            max(need, default=SAMPLER_GREEDY) + SAMPLER_LOGPROBS * logprobs + SAMPLER_PENALTIES * penalized
+        )
         for row, (_, params, _, _) in enumerate(ref.sampling):
             slot = sample_slots[row]
             assert int(s.lp_top_n[slot]) == (-1 if params.logprobs is None else params.logprobs)
+            assert int(s.penalized[slot]) == params.penalized
+            assert float(s.presence_penalty[slot]) == np.float32(params.presence_penalty)
+            assert float(s.frequency_penalty[slot]) == np.float32(params.frequency_penalty)
+            assert float(s.repetition_penalty[slot]) == np.float32(params.repetition_penalty)
+            n = len(params.logit_bias)
+            assert int(s.n_bias[slot]) == n
+            assert s.bias_ids[slot, :n].tolist() == [t for t, _ in params.logit_bias]
+            assert s.bias_values[slot, :n].tolist() == [float(np.float32(b)) for _, b in params.logit_bias]
 
     def _compare_state(self) -> None:
         s, sched = self.state, self.engine.scheduler

@@ -318,3 +318,17 @@ def test_variants_are_ordered_by_what_they_serve():
     sampler = DeviceSampler(state, torch.zeros(2, 64, device=DEVICE))
     assert sampler.variants() == (sampler.greedy, sampler.rejection, sampler.full)
     assert SAMPLER_GREEDY < SAMPLER_REJECTION < SAMPLER_FULL
+
+
+def test_with_penalties_and_logprobs_the_variants_are_the_plain_ones_then_each_after():
+    from blink_appliance.kernels.sampling import SAMPLER_LOGPROBS, SAMPLER_PENALTIES
+
+    from blink_appliance.engine.loop.penalties import DevicePenalties
+
+    state = make_state(2, 64)
+    logits = torch.zeros(2, 64, device=DEVICE)
+    sampler = DeviceSampler(state, logits, penalties=DevicePenalties(state, logits))
+    variants = sampler.variants()
+    assert len(variants) == 2 * SAMPLER_PENALTIES and SAMPLER_PENALTIES == 2 * SAMPLER_LOGPROBS
+    # Without a logprob area the logprob indices hold the plain variants (schedule never picks them).
+    assert variants[SAMPLER_LOGPROBS:SAMPLER_PENALTIES] == variants[:SAMPLER_LOGPROBS]

@@ -38,6 +38,12 @@ BAD_RECORDS: list[tuple[str, dict[str, object], list[int] | None]] = [
     ("logprobs over 20", {"logprobs": 22}, None),
     ("prompt_logprobs 2", {"logprobs": 2, "prompt_logprobs": 2}, None),
     ("logprob rows outside the area", {"logprobs": 3, "lp_offset": RING.logprob_pairs - 2}, None),
+    ("presence_penalty 3", {"presence_penalty": 3.0}, None),
+    ("frequency_penalty nan", {"frequency_penalty": float("nan")}, None),
+    ("repetition_penalty negative", {"repetition_penalty": -1.0}, None),
+    ("n_bias over the record's room", {"n_bias": RING.max_logit_bias + 1}, None),
+    ("logit_bias id out of vocab", {"n_bias": 2, "bias_ids": [5] + [600] * (RING.max_logit_bias - 1)}, None),
+    ("logit_bias value 101", {"n_bias": 1, "bias_values": [101.0] * RING.max_logit_bias}, None),
     ("longer than max_model_len", {}, prompt(LOOP.max_model_len + 1, 9)),
     # Last of its group: releasing the arena up to a bogus arena_end releases everything published
     # (clamped to arena_head), so records behind it in the same ring pass fail the arena check too.
@@ -149,3 +155,14 @@ def test_logprob_requests_are_admitted_with_their_rows_and_pick_the_logprob_samp
     t.run_until_idle()  # the twin compares lp_top_n and sampler_index (SAMPLER_LOGPROBS) each step
     codes = [code for _, _, code in t.stats.finishes]
     assert codes == [0, 0, 0] and t.stats.steps > 0
+
+
+def test_penalized_requests_carry_their_penalties_and_biases_into_their_slots():
+    t = Twin()
+    bias = tuple((5 * i + 3, float(i) - 40.5) for i in range(80))  # more than one tile of entries
+    t.front.submit(prompt(5, 1), SamplingParams(temperature=0.0, max_tokens=3, logit_bias=bias))
+    t.front.submit(prompt(4, 2), SamplingParams(temperature=0.0, max_tokens=3))
+    t.front.submit(prompt(6, 3), SamplingParams(temperature=0.8, seed=2, max_tokens=3, presence_penalty=0.5,
+                                                frequency_penalty=-0.25, repetition_penalty=1.3))  # fmt: skip
+    t.run_until_idle()  # the twin compares each slot's fields and the sampler index each step
+    assert [code for _, _, code in t.stats.finishes] == [0, 0, 0]

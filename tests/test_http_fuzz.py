@@ -126,7 +126,7 @@ VALID = {
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.just({"include_usage": True}),
-    "n": st.just(1),
+    "n": st.sampled_from([1, 1, 2]),
     "user": st.text(max_size=5),
     # Completions take an int, chat a bool (each refuses the other's with a 400).
     "logprobs": st.sampled_from([None, False, True, 0, 3]),
@@ -176,18 +176,23 @@ def post(url: str, data: bytes) -> tuple[int, bytes]:
 
 
 def check_accepted(data: bytes, raw: bytes) -> None:
-    """A 200 ends in exactly one terminal event: a finish reason, or an error in the stream."""
+    """A 200 ends each of its n choices with exactly one finish reason, or the stream with one error."""
     streamed = json.loads(data).get("stream") is True
+    n = json.loads(data).get("n", 1)
     if not streamed:
         choices = json.loads(raw)["choices"]
-        assert len(choices) == 1 and choices[0]["finish_reason"] is not None, raw
+        assert len(choices) == n and all(c["finish_reason"] is not None for c in choices), raw
         return
     events = [line[len(b"data: ") :] for line in raw.split(b"\n") if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1, raw
     payloads = [json.loads(e) for e in events[:-1]]
     finishes = [c for p in payloads for c in p.get("choices", []) if c.get("finish_reason") is not None]
     errors = [p for p in payloads if "error" in p]
-    assert len(finishes) + len(errors) == 1, raw
+    ended = sorted(c["index"] for c in finishes)
+    if errors:  # the stream ends with its one error; no choice ended twice before it
+        assert len(errors) == 1 and len(set(ended)) == len(ended), raw
+    else:
+        assert ended == list(range(n)), raw
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -200,7 +200,7 @@ def test_official_openai_client(live):
     )
     assert comp.choices[0].text and comp.usage.completion_tokens <= 4
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL_NAME, messages=msgs, n=2)
+        client.chat.completions.create(model=MODEL_NAME, messages=msgs, n=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=msgs)
     bad = openai.OpenAI(base_url=live.url + "/v1", api_key="wrong-key-123", max_retries=0)
@@ -284,14 +284,18 @@ async def test_chat_without_max_tokens_ends_on_eos_or_length(live):
 @pytest.mark.parametrize(
     "body, param, fragment",
     [
-        ({"n": 2}, "n", "only n=1"),
+        ({"n": 0}, "n", "invalid 'n'"),
         ({"logprobs": 21}, "logprobs", "invalid 'logprobs'"),
         ({"logprobs": True}, "logprobs", "invalid 'logprobs'"),
         ({"top_logprobs": 2}, "top_logprobs", "chat completions parameter"),
         ({"max_tokens": 0, "echo": False}, "max_tokens", "needs echo=true"),
         ({"best_of": 3}, "best_of", "not supported yet"),
-        ({"logit_bias": {"1": 5}}, "logit_bias", "not supported yet"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported yet"),
+        ({"logit_bias": {"one": 5}}, "logit_bias", "keys are token ids"),
+        ({"logit_bias": {"1": 101}}, "logit_bias", "must be in [-100, 100]"),
+        ({"logit_bias": {"1": 1, "01": 2}}, "logit_bias", "more than once"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "invalid 'presence_penalty'"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "invalid 'repetition_penalty'"),
         ({"temperature": -1}, "temperature", "invalid 'temperature'"),
         ({"top_p": 0}, "top_p", "invalid 'top_p'"),
         ({"max_tokens": -1}, "max_tokens", "invalid 'max_tokens'"),

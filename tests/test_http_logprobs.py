@@ -167,3 +167,31 @@ async def test_the_gpu_loop_refuses_the_prompts_logprobs_only(smollm2_gguf_path)
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 2})
     )
     assert prep.params.logprobs == 2 and not prep.params.prompt_logprobs
+
+
+def test_lm_eval_local_completions_request_scores_as_transformers(live, hf):
+    """The body lm-evaluation-harness's local-completions sends for a log-likelihood request, and
+    how it reads the answer (bench/lm_eval_parity.py runs the harness itself)."""
+    import json
+    import urllib.request
+
+    model, tok = hf
+    context = tok("The quick brown fox jumps over the lazy", add_special_tokens=False)["input_ids"]
+    ids = context + tok(" dog", add_special_tokens=False)["input_ids"]
+    body = {"model": MODEL_NAME, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}  # fmt: skip
+    req = urllib.request.Request(
+        live.url + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        (choice,) = json.loads(r.read())["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1  # the prompt's and the one generated token's
+    scored = lp["token_logprobs"][len(context) : -1]
+    want = _hf_logprobs(model, ids)
+    assert abs(sum(scored) - sum(float(want[p - 1, ids[p]]) for p in range(len(context), len(ids)))) < 1e-3
+    for i in range(len(context), len(ids)):  # the harness's greedy test: an exact float comparison
+        assert (lp["token_logprobs"][i] == max(lp["top_logprobs"][i].values())) == (
+            int(want[i - 1].argmax()) == ids[i]
+        )

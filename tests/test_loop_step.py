@@ -264,11 +264,20 @@ LOGPROB_WORKLOAD = [
     ("lp-sampled", 0, prompt(3, 7), dataclasses.replace(SAMPLED, logprobs=5)),
     ("lp-chunked", 1, prompt(2, 21), greedy(4, logprobs=0)),  # prefilled over steps
     ("plain", 1, prompt(5, 9), greedy(5)),
+    # Penalties and biases change the logits the sampler and the logprobs read.
+    ("repetition", 0, prompt(8, 5), greedy(10, repetition_penalty=0.3)),
+    (
+        "presence-frequency",
+        1,
+        prompt(9, 6),
+        greedy(10, presence_penalty=1.5, frequency_penalty=1.0, logprobs=2),
+    ),
+    ("biased-sampled", 2, prompt(10, 5), dataclasses.replace(SAMPLED, logit_bias=((17, 8.0), (99, 5.0)))),
 ]
 
 
 @pytest.mark.parametrize("target", TARGETS)
-async def test_loop_logprobs_equal_the_reference_engine(target):
+async def test_loop_logprobs_and_penalties_equal_the_reference_engine(target):
     if target.startswith("cuda") and not HAVE_GPU_STACK:
         pytest.skip("needs cupy and cuda-bindings (the GPU extra)")
     model = build_model(checkpoint(), torch.float32, "cpu")
@@ -281,6 +290,11 @@ async def test_loop_logprobs_equal_the_reference_engine(target):
             want += [e for e in engine.step() if e.token_id is not None]
         got = [e for e in streams[name] if e.token_id is not None]
         assert [e.token_id for e in got] == [e.token_id for e in want], name
+        if params.penalized:  # the penalties changed the stream (else the test would not see them)
+            plain = dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0,
+                                        repetition_penalty=1.0, logit_bias=())  # fmt: skip
+            engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
+            assert engine.generate([Request(0, tokens, plain)])[0] != [e.token_id for e in want], name
         for g, w in zip(got, want, strict=True):
             if params.logprobs is None:
                 assert g.logprobs is None and w.logprobs is None

@@ -119,6 +119,10 @@ class RingRegion:
         rec["stop_ids"][: len(params.stop_token_ids)] = params.stop_token_ids
         rec["logprobs"] = 0 if params.logprobs is None else params.logprobs + 1
         rec["prompt_logprobs"], rec["lp_offset"] = int(params.prompt_logprobs), lp_offset
+        rec["presence_penalty"], rec["frequency_penalty"] = params.presence_penalty, params.frequency_penalty
+        rec["repetition_penalty"], rec["n_bias"] = params.repetition_penalty, len(params.logit_bias)
+        rec["bias_ids"][: len(params.logit_bias)] = [t for t, _ in params.logit_bias]
+        rec["bias_values"][: len(params.logit_bias)] = [b for _, b in params.logit_bias]
         return record
 
     def record_seq(self, position: int) -> int:
@@ -126,7 +130,8 @@ class RingRegion:
 
     def read_record(self, position: int) -> np.ndarray:
         raw = self.transport.read(self.layout.record(position), self.layout.request.itemsize)
-        return np.frombuffer(raw, dtype=self.layout.request).copy()
+        # A copy of the bytes, not of the fields: numpy's copy leaves bytes no field covers undefined.
+        return np.frombuffer(bytearray(raw), dtype=self.layout.request)
 
     def publish_record(self, position: int, record: np.ndarray) -> None:
         """Write the payload, then the seq word (position + 1) with release semantics."""
@@ -287,6 +292,10 @@ def checked_submission(
         raise ValueError(f"max_tokens {params.max_tokens} exceeds this server's limit {g.max_output_tokens}")
     if len(params.stop_token_ids) > g.max_stop_ids:
         raise ValueError(f"at most {g.max_stop_ids} stop token ids, got {len(params.stop_token_ids)}")
+    if len(params.logit_bias) > g.max_logit_bias:
+        raise ValueError(f"at most {g.max_logit_bias} logit_bias entries, got {len(params.logit_bias)}")
+    if any(not 0 <= t < 2**31 for t, _ in params.logit_bias):
+        raise ValueError("logit_bias token ids must be in [0, 2**31)")
     if any(not 0 <= t < 2**31 for t in params.stop_token_ids):
         raise ValueError("stop token ids must be in [0, 2**31)")
     if not -(2**31) <= priority < 2**31:

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's and vLLM's limit)
+MAX_LOGIT_BIAS = 300  # (token, bias) entries of one request, as OpenAI allows
 
 
 class FinishReason(str, enum.Enum):
@@ -33,6 +34,13 @@ class SamplingParams:
     # generated token; prompt_logprobs adds them for prompt positions 1.. (echo).
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    # Penalties and biases, applied to the logits in this order before anything else (docs/engine.md,
+    # "Penalties"): logit_bias; repetition over the prompt's and generated tokens; frequency and
+    # presence over the generated ones.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -52,6 +60,26 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs and self.logprobs is None:
             raise ValueError("prompt_logprobs needs logprobs (how many alternatives per position)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits change before sampling (any penalty or bias)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,8 @@ import numpy as np
 from blink_appliance.wire.request import FinishReason
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-# 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s; 4: the logprob area
+# 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s; 4: the logprob area,
+# penalties and logit_bias in the records
 VERSION = 4
 CACHE_LINE = 64
 # Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
@@ -49,6 +50,7 @@ class RingGeometry:
     # (token, logprob) pairs of the logprob area, shared by the requests in flight that ask for
     # logprobs (docs/protocol.md, "Logprob area"); 0: no area, logprobs are refused.
     logprob_pairs: int = 1 << 20
+    max_logit_bias: int = 300  # (token, bias) entries per request record
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,6 +72,10 @@ class RingGeometry:
         if not isinstance(self.logprob_pairs, int) or not 0 <= self.logprob_pairs < 2**31:
             raise ValueError(
                 f"RingGeometry.logprob_pairs must be an int in [0, 2**31), got {self.logprob_pairs!r}"
+            )
+        if not isinstance(self.max_logit_bias, int) or not 0 <= self.max_logit_bias <= 65536:
+            raise ValueError(
+                f"RingGeometry.max_logit_bias must be an int in [0, 65536], got {self.max_logit_bias!r}"
             )
 
 
@@ -185,6 +191,7 @@ def _control_dtype() -> np.dtype:
         ("max_output_tokens", "<u4", 40),
         ("max_stop_ids", "<u4", 44),
         ("logprob_pairs", "<u4", 48),
+        ("max_logit_bias", "<u4", 52),
         # line 1: front end's producer words
         ("req_head", "<u8", 64),  # records published so far
         ("arena_head", "<u8", 72),  # arena tokens allocated so far (absolute)
@@ -213,7 +220,7 @@ def _control_dtype() -> np.dtype:
 
 
 def _request_dtype(geometry: RingGeometry) -> np.dtype:
-    stop_bytes = 4 * geometry.max_stop_ids
+    stop_bytes, bias = 4 * geometry.max_stop_ids, geometry.max_logit_bias
     fields = [
         ("seq", "<u8", 0),  # position in the ring + 1; written LAST, 0 = empty
         ("request_id", "<u8", 8),
@@ -236,9 +243,16 @@ def _request_dtype(geometry: RingGeometry) -> np.dtype:
         ("logprobs", "<u4", 104),  # 0: none; N + 1 for N alternatives (a zeroed record asks for none)
         ("prompt_logprobs", "<u4", 108),  # 1: prompt positions 1.. get rows too
         ("lp_offset", "<u8", 112),  # first pair of the request's rows in the logprob area
-        ("stop_ids", ("<i4", (geometry.max_stop_ids,)), 120),
+        ("presence_penalty", "<f8", 120),
+        ("frequency_penalty", "<f8", 128),
+        ("repetition_penalty", "<f8", 136),  # 0 reads as 1 (off), so a zeroed record asks for none
+        ("n_bias", "<u4", 144),  # logit_bias entries used
+        # No hole between fields: a copy of the record need not copy bytes no field covers.
+        ("stop_ids", ("<i4", (geometry.max_stop_ids,)), 148),
+        ("bias_ids", ("<i4", (bias,)), 148 + stop_bytes),
+        ("bias_values", ("<f4", (bias,)), 148 + stop_bytes + 4 * bias),
     ]
-    return _struct(fields, _round_up(120 + stop_bytes, CACHE_LINE))
+    return _struct(fields, _round_up(148 + stop_bytes + 8 * bias, CACHE_LINE))
 
 
 CHANNEL_CTL = _struct(
@@ -366,5 +380,6 @@ def geometry_header(geometry: RingGeometry) -> dict[str, int]:
         "max_output_tokens": geometry.max_output_tokens,
         "max_stop_ids": geometry.max_stop_ids,
         "logprob_pairs": geometry.logprob_pairs,
+        "max_logit_bias": geometry.max_logit_bias,
         "region_bytes": layout.size,  # last: a geometry mismatch is reported by its field first
     }

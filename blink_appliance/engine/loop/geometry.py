@@ -27,6 +27,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         num_kv_blocks=plan.num_kv_blocks,
         max_model_len=plan.max_model_len,
         max_stop_ids=ring_geometry(profile, index).max_stop_ids,
+        max_logit_bias=ring_geometry(profile, index).max_logit_bias,
         vocab_size=config.vocab_size,
         eos_token_ids=eos,
         priority_aging_steps=profile.engine.priority_aging_steps,

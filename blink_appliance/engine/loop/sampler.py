@@ -50,6 +50,7 @@ import torch
 import triton
 
 from blink_appliance.engine.loop.logprobs import DeviceLogprobs
+from blink_appliance.engine.loop.penalties import DevicePenalties
 from blink_appliance.engine.loop.state import DeviceState
 from blink_appliance.kernels.sampling import (
     INT64_MAX,
@@ -89,6 +90,7 @@ class DeviceSampler:
         rejection_rounds: int = REJECTION_ROUNDS,
         programs_per_sm: int = PROGRAMS_PER_SM,
         logprobs: DeviceLogprobs | None = None,
+        penalties: DevicePenalties | None = None,
     ) -> None:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32:
@@ -119,10 +121,17 @@ class DeviceSampler:
         self.programs = programs_per_sm * sms
         by_index = {SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection, SAMPLER_FULL: self.full}
         base = tuple(by_index[i] for i in range(len(by_index)))
-        # Then each again followed by the logprob rows (SAMPLER_LOGPROBS + i), when the loop has them.
-        with_logprobs = tuple(self._then_logprobs(v) for v in base) if logprobs is not None else ()
-        self.logprobs = logprobs
-        self._variants = base + with_logprobs  # host mode looks one up per step
+        # Then each again followed by the logprob rows (SAMPLER_LOGPROBS + i), and all of those again
+        # after the penalties (SAMPLER_PENALTIES + i), when the loop has them.
+        self.logprobs, self.penalties = logprobs, penalties
+        # Without a logprob area schedule refuses every record that asks for logprobs, so indices
+        # SAMPLER_LOGPROBS + i are never picked: the plain variants only hold their places.
+        variants = base
+        if logprobs is not None or penalties is not None:
+            variants += tuple(self._then_logprobs(v) for v in base) if logprobs is not None else base
+        if penalties is not None:
+            variants += tuple(self._after_penalties(v) for v in variants)
+        self._variants = variants  # host mode looks one up per step
 
     # -- the two variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
@@ -200,6 +209,13 @@ class DeviceSampler:
             self.logprobs.launch()
 
         return sample_then_logprobs
+
+    def _after_penalties(self, variant: Callable[[], None]) -> Callable[[], None]:
+        def penalties_then_sample() -> None:
+            self.penalties.launch()
+            variant()
+
+        return penalties_then_sample
 
     def variants(self) -> tuple[Callable[[], None], ...]:
         """The variants by sampler_index (kernels/sampling.py SAMPLER_*)."""

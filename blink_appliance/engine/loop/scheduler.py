@@ -26,6 +26,7 @@ PROMPT_TILE = 1024  # prompt tokens copied per load of the ring's arena
 TOKEN_TILE = 64  # forward rows written per tile
 BLOCK_TILE = 4  # KV blocks moved per slot per tile (pushes and pops)
 RANK_TILE = 32  # running sequences compared per tile when they are put in run order
+BIAS_TILE = 64  # logit_bias entries copied per load
 
 # The DeviceState and StepInputs tensors schedule_kernel takes, each as `<name>_ptr`.
 _STATE_TENSORS = (
@@ -33,7 +34,8 @@ _STATE_TENSORS = (
     "wait_since", "prompt_len",
     "num_tokens", "num_computed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
-    "error_code", "lp_top_n", "lp_offset", "free_blocks", "free_top", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
+    "error_code", "lp_top_n", "lp_offset", "penalized", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "n_bias", "bias_ids", "bias_values", "free_blocks", "free_top", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
     "bucket_index", "sampler_index", "num_sample_rows", "row_temperature", "row_top_k", "row_top_p", "row_min_p", "row_seed",
     "row_output_index", "num_active", "shutdown_seen", "next_arrival", "next_run_order", "counters",
     "step_start_ns", "clock_offset_ns",
@@ -84,6 +86,10 @@ class DeviceScheduler:
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
         self.snap = torch.zeros(2 + 3 * block_r + block_d, dtype=torch.int64, device=device)
         self.host_clock_ns = torch.zeros(1, dtype=torch.int64, device=device)  # the interpreter's clock
+        # Each record's logit_bias, copied out of the ring once, checked and then moved into its slot.
+        bias = max(rg.max_logit_bias, 1)
+        self.bias_stage_ids = torch.zeros(block_r * bias, dtype=torch.int32, device=device)
+        self.bias_stage_values = torch.zeros(block_r * bias, dtype=torch.float32, device=device)
         # The kernel's arguments by parameter name (a tensor `<name>` as `<name>_ptr`), each
         # parameter given once (kernel_args.check_parameters below).
         self._args = {f"{name}_ptr": getattr(state, name) for name in _STATE_TENSORS}
@@ -91,6 +97,7 @@ class DeviceScheduler:
         self._args |= dict(
             ring_ptr=ring, buckets_ptr=self.buckets, scratch_ptr=self.scratch, snap_ptr=self.snap,
             host_clock_ns_ptr=self.host_clock_ns, engine_seed=engine_seed,
+            bias_stage_ids_ptr=self.bias_stage_ids, bias_stage_values_ptr=self.bias_stage_values,
         )  # fmt: skip
         record = kernel_args.request_fields(layout)  # raises if a field is not where or what the kernel reads
         # Inline PTX (acquire/release on the ring, the clock) only where the kernel is compiled for a GPU.
@@ -102,7 +109,7 @@ class DeviceScheduler:
             AGING=g.priority_aging_steps, LIMIT=g.lower_class_limit,
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
-            LOGPROBS=kernel_args.logprob_area(rg),
+            LOGPROBS=kernel_args.logprob_area(rg), MAX_BIAS=max(rg.max_logit_bias, 1), BIAS_TILE=BIAS_TILE,
             OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,
             OFF_CTL=layout.chan_ctl, OFF_PROG=layout.chan_prog,
             BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_S1=_pow2(g.max_num_seqs + 1),
@@ -142,6 +149,10 @@ class DeviceScheduler:
             )
         if ring.device != device:
             raise ValueError(f"ring is on {ring.device}, the loop state on {device} (map the region there)")
+        if rg.max_logit_bias != g.max_logit_bias:
+            raise ValueError(
+                f"ring max_logit_bias ({rg.max_logit_bias}) differs from the loop's ({g.max_logit_bias})"
+            )
         if rg.max_stop_ids != g.max_stop_ids:
             raise ValueError(
                 f"ring max_stop_ids ({rg.max_stop_ids}) differs from the loop's ({g.max_stop_ids})"

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from blink_appliance.wire.request import MAX_LOGIT_BIAS
 from blink_appliance.wire.ring_layout import ENGINE_COUNTER_FIELDS, STEP_TIME_FIELDS
 
 
@@ -64,6 +65,7 @@ class LoopGeometry:
     eos_token_ids: tuple[int, ...]  # at most MAX_EOS_IDS
     priority_aging_steps: int = 0  # a waiting slot gains one priority level per this many steps; 0: off
     lower_class_limit: int = 0  # running slots below the most urgent running class, at most; 0: no cap
+    max_logit_bias: int = MAX_LOGIT_BIAS  # = RingGeometry.max_logit_bias
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -127,6 +129,13 @@ class DeviceState:
     error_code: torch.Tensor  # ErrorCode (ring_layout)
     lp_top_n: torch.Tensor  # logprob alternatives the request asked for; -1: no logprobs
     lp_offset: torch.Tensor  # int64: the first pair of its rows in the ring's logprob area
+    penalized: torch.Tensor  # 1: a penalty or a logit bias changes its logits (engine/loop/penalties.py)
+    presence_penalty: torch.Tensor  # float32
+    frequency_penalty: torch.Tensor  # float32
+    repetition_penalty: torch.Tensor  # float32; 1 = off
+    n_bias: torch.Tensor
+    bias_ids: torch.Tensor  # [D, max_logit_bias]
+    bias_values: torch.Tensor  # [D, max_logit_bias] float32
 
     # -- KV block free list (a stack) -------------------------------------------------------------
     free_blocks: torch.Tensor  # [num_kv_blocks]; entries [0, free_top) are free block ids
@@ -184,6 +193,8 @@ class DeviceState:
             seed=i64(D), ignore_eos=i32(D), n_stop=i32(D), stop_ids=i32(D, g.max_stop_ids, fill=-1),
             token_ids=i32(D, g.max_model_len), block_table=i32(D, g.max_blocks_per_seq, fill=-1),
             num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D), lp_top_n=i32(D, fill=-1), lp_offset=i64(D),
+            penalized=i32(D), presence_penalty=f32(D), frequency_penalty=f32(D), repetition_penalty=f32(D, fill=1.0),
+            n_bias=i32(D), bias_ids=i32(D, max(g.max_logit_bias, 1)), bias_values=f32(D, max(g.max_logit_bias, 1)),
             # Popping from the top hands out low block ids first, like the reference allocator.
             free_blocks=torch.arange(g.num_kv_blocks - 1, -1, -1, dtype=torch.int32, device=device),
             free_top=i32(1, fill=g.num_kv_blocks),

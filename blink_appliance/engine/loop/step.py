@@ -23,6 +23,7 @@ from blink_appliance.engine.loop.commit import DeviceCommit
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 from blink_appliance.engine.loop.graph import Segment, engine_body
 from blink_appliance.engine.loop.logprobs import DeviceLogprobs
+from blink_appliance.engine.loop.penalties import DevicePenalties
 from blink_appliance.engine.loop.progress import stage
 from blink_appliance.engine.loop.sampler import DeviceSampler
 from blink_appliance.engine.loop.scheduler import DeviceScheduler
@@ -139,7 +140,9 @@ class LoopStep:
         logprobs = (
             DeviceLogprobs(state, forward.logits, region, layout) if layout.geometry.logprob_pairs else None
         )
-        sampler = DeviceSampler(state, forward.logits, logprobs=logprobs)
+        sampler = DeviceSampler(
+            state, forward.logits, logprobs=logprobs, penalties=DevicePenalties(state, forward.logits)
+        )
         commit = DeviceCommit(geometry, state, region, layout)
         return cls(geometry, state, scheduler, forward, sampler, commit, graphs)
 

@@ -131,6 +131,9 @@ class LLMEngine:
         bad = next((t for t in req.params.stop_token_ids if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t, _ in req.params.logit_bias if not (0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias names token {bad}, outside the vocabulary [0, {self.vocab_size})")
         seed = req.params.seed if req.params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(
             request_id=req.request_id,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from blink_appliance.engine.reference.logprobs import token_logprobs
+from blink_appliance.engine.reference.penalties import penalize
 from blink_appliance.engine.reference.sampler import SamplingTensors, sample
 from blink_appliance.engine.reference.scheduler import ScheduledChunk, SchedulerOutput, build_forward_batch
 from blink_appliance.model.kv_cache import PagedKVCache
@@ -84,6 +85,14 @@ class ModelRunner:
             [c.seq.num_output_tokens for c in sampling],
             self.device,
         )
+        if any(c.seq.params.penalized for c in sampling):
+            logits = logits.clone()
+            for row, c in enumerate(sampling):
+                if c.seq.params.penalized:
+                    seq = c.seq
+                    penalize(
+                        logits[row], seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
+                    )
         tokens = sample(logits, st)
         logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
         wanting = [i for i, c in enumerate(sampling) if c.seq.params.logprobs is not None]

@@ -289,7 +289,23 @@ class EngineServer:
             if value not in (0, 1):
                 raise _Rejected(ErrorCode.INVALID_PARAMS, f"{name} must be 0 or 1, got {value}")
         logprobs = self._decode_logprobs(record, n, max_tokens)
-        floats = {name: float(record[name]) for name in ("temperature", "top_p", "min_p")}
+        n_bias = int(record["n_bias"])
+        if n_bias > g.max_logit_bias:
+            raise _Rejected(ErrorCode.INVALID_PARAMS, f"n_bias {n_bias} > max_logit_bias {g.max_logit_bias}")
+        bias_ids = record["bias_ids"][:n_bias]
+        if np.any((bias_ids < 0) | (bias_ids >= self.vocab_size)):
+            raise _Rejected(
+                ErrorCode.INVALID_PARAMS, f"logit_bias token ids {bias_ids.tolist()} outside vocab"
+            )
+        names = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        )
+        floats = {name: float(record[name]) for name in names}
         for name, value in floats.items():
             if not math.isfinite(value):
                 raise _Rejected(ErrorCode.INVALID_PARAMS, f"{name} must be finite, got {value}")
@@ -304,6 +320,10 @@ class EngineServer:
             ignore_eos=bool(flags["ignore_eos"]),
             logprobs=logprobs,
             prompt_logprobs=bool(record["prompt_logprobs"]),
+            presence_penalty=floats["presence_penalty"],
+            frequency_penalty=floats["frequency_penalty"],
+            repetition_penalty=floats["repetition_penalty"] or 1.0,  # 0: a record that sets none
+            logit_bias=tuple(zip(bias_ids.tolist(), record["bias_values"][:n_bias].tolist(), strict=True)),
         )
         try:
             params.validate()
