@@ -36,6 +36,9 @@ SAMPLER_LOGPROBS = 3
 # Added when a row of the step has a penalty or a logit bias: the penalties first (they change the
 # logits the variant and the logprobs read; engine/loop/penalties.py).
 SAMPLER_PENALTIES = 6
+assert (
+    SAMPLER_FULL < SAMPLER_LOGPROBS and SAMPLER_PENALTIES == 2 * SAMPLER_LOGPROBS
+)  # the parts combine as bits
 
 
 @triton.jit

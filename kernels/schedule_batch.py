@@ -62,7 +62,7 @@ def build_batch(
     )  # fmt: skip
     store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT)
     nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
-    sampler_index = tl.maximum(sampler_index, sampler_new)
+    sampler_index = _either_sampler(sampler_index, sampler_new)
     return (
         top,
         next_run_order,
@@ -432,6 +432,14 @@ def _last_class(ms, pre_k, rp_k, offs_s):
     below every priority when there is none (nothing to preempt)."""
     k = tl.max(tl.where(ms & (pre_k == 0), offs_s, -1), 0)
     return tl.where(k >= 0, tl.sum(tl.where(offs_s == k, rp_k, 0), 0).to(tl.int64), -_INT64_MAX)
+
+
+@triton.jit
+def _either_sampler(a, b):
+    """The variant that serves the rows of both: the larger base variant, and the logprob and
+    penalty parts of either (kernels/sampling.py: base + SAMPLER_LOGPROBS * (logprobs + 2 penalties))."""
+    base = tl.maximum(a % _SAMPLER_LOGPROBS, b % _SAMPLER_LOGPROBS)
+    return base + _SAMPLER_LOGPROBS * ((a // _SAMPLER_LOGPROBS) | (b // _SAMPLER_LOGPROBS))
 
 
 @triton.jit

@@ -166,3 +166,15 @@ def test_penalized_requests_carry_their_penalties_and_biases_into_their_slots():
                                                 frequency_penalty=-0.25, repetition_penalty=1.3))  # fmt: skip
     t.run_until_idle()  # the twin compares each slot's fields and the sampler index each step
     assert [code for _, _, code in t.stats.finishes] == [0, 0, 0]
+
+
+def test_a_request_admitted_beside_running_ones_keeps_every_part_of_the_sampler_index():
+    """Rows already running (greedy, with logprobs and a penalty) and a row admitted this step (top-k
+    sampling) need the full variant with logprobs after the penalties: 2 + 3 + 6."""
+    t = Twin()
+    t.front.submit(prompt(5, 1), SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, presence_penalty=0.5),
+                   record={"lp_offset": 0})  # fmt: skip
+    t.step()
+    t.step()  # decoding now
+    t.front.submit(prompt(4, 2), SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=2))
+    t.run_until_idle()  # the twin checks sampler_index against the rows of every step

@@ -273,6 +273,8 @@ LOGPROB_WORKLOAD = [
         greedy(10, presence_penalty=1.5, frequency_penalty=1.0, logprobs=2),
     ),
     ("biased-sampled", 2, prompt(10, 5), dataclasses.replace(SAMPLED, logit_bias=((17, 8.0), (99, 5.0)))),
+    # n = 4 as the front end sends it: four requests of one prompt on seeds seed + i.
+    *((f"choice-{i}", 1, prompt(11, 6), dataclasses.replace(SAMPLED, seed=50 + i)) for i in range(4)),
 ]
 
 
