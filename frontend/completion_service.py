@@ -413,9 +413,8 @@ class CompletionService:
                         if reason in (FinishReason.ABORT, FinishReason.ERROR):
                             finished = True
                             timer.error("engine_" + reason.value)
-                            if (
-                                text or choice.pending
-                            ):  # what came before the failure still reaches the client
+                            # What came before the failure still reaches the client.
+                            if text or choice.pending:
                                 yield Piece(text, None, choice.take())
                             raise EngineFailure(ev.error or f"the engine ended the request ({reason.value})")
                         text += stops.feed(detok.flush())
