@@ -36,3 +36,26 @@ def live(tmp_path_factory: pytest.TempPathFactory, smollm2_source: str):
     yield app
     code = app.stop()
     assert code == 0, f"appliance exited with {code}:\n{app.log()}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf_path: Path):
+    """SmolLM2 as HF transformers loads the same GGUF, in fp32: the independent implementation the
+    engine's numbers are checked against."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_models(smollm2_gguf_path: Path, smollm2_transformers):
+    """(checkpoint, the reference engine's fp32 model, transformers' model) of SmolLM2."""
+    import torch
+
+    from blink_appliance.model.loaders import build_model, load_checkpoint
+
+    ckpt = load_checkpoint(f"gguf:{smollm2_gguf_path}")
+    return ckpt, build_model(ckpt, torch.float32, "cpu"), smollm2_transformers

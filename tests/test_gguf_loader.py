@@ -192,13 +192,8 @@ def test_unknown_tensor_is_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    ckpt = load_checkpoint(f"gguf:{smollm2_gguf_path}")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    ).eval()
-    return ckpt, hf
+def smollm2(smollm2_gguf_path, smollm2_transformers):
+    return load_checkpoint(f"gguf:{smollm2_gguf_path}"), smollm2_transformers
 
 
 @pytest.mark.slow

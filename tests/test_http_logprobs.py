@@ -18,15 +18,12 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_gguf_path):
+def hf(smollm2_gguf_path, smollm2_transformers):
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(
         smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name
     )
-    return model, tok
+    return smollm2_transformers, tok
 
 
 def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:

@@ -10,21 +10,10 @@ import torch
 
 from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
 from blink_appliance.engine.reference.logprobs import token_logprobs, top_tokens
-from blink_appliance.model.loaders import build_model, load_checkpoint
 from blink_appliance.wire.logprob_area import LogprobArea
 from blink_appliance.wire.request import Request, SamplingParams, TokenEvent
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    ckpt = load_checkpoint(f"gguf:{smollm2_gguf_path}")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    ).eval()
-    return ckpt, build_model(ckpt, torch.float32, "cpu"), hf
 
 
 def _run(model, requests: list[Request], **config: int) -> dict[int, list[TokenEvent]]:
@@ -57,8 +46,8 @@ def _check_row(row, hf_row: torch.Tensor, n: int) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_generated_and_prompt_logprobs_equal_transformers(smollm2, temperature):
-    ckpt, model, hf = smollm2
+def test_generated_and_prompt_logprobs_equal_transformers(smollm2_models, temperature):
+    ckpt, model, hf = smollm2_models
     ids = ckpt.tokenizer.encode(PROMPT)
     params = SamplingParams(
         temperature=temperature, seed=3, max_tokens=6, logprobs=5, prompt_logprobs=True, ignore_eos=True
@@ -79,8 +68,8 @@ def test_generated_and_prompt_logprobs_equal_transformers(smollm2, temperature):
         assert all(e.logprobs.top[0][0] == e.token_id for e in events)
 
 
-def test_logprobs_do_not_change_tokens_and_only_askers_get_them(smollm2):
-    ckpt, model, _ = smollm2
+def test_logprobs_do_not_change_tokens_and_only_askers_get_them(smollm2_models):
+    ckpt, model, _ = smollm2_models
     ids = ckpt.tokenizer.encode(PROMPT)
     plain = SamplingParams(temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)
     asking = SamplingParams(temperature=0.8, seed=11, max_tokens=8, ignore_eos=True, logprobs=0)

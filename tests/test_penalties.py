@@ -11,20 +11,9 @@ import torch
 
 from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
 from blink_appliance.engine.reference.penalties import penalize
-from blink_appliance.model.loaders import build_model, load_checkpoint
 from blink_appliance.wire.request import Request, SamplingParams
 
 PROMPT = "List the colours of the rainbow, then list them again:"
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    ckpt = load_checkpoint(f"gguf:{smollm2_gguf_path}")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    ).eval()
-    return ckpt, build_model(ckpt, torch.float32, "cpu"), hf
 
 
 def _hf_greedy(hf, ids: list[int], params: SamplingParams, n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -61,8 +50,8 @@ def _hf_greedy(hf, ids: list[int], params: SamplingParams, n: int) -> tuple[list
         ),
     ],
 )
-def test_greedy_streams_and_logprobs_equal_transformers_processors(smollm2, params):
-    ckpt, model, hf = smollm2
+def test_greedy_streams_and_logprobs_equal_transformers_processors(smollm2_models, params):
+    ckpt, model, hf = smollm2_models
     ids = ckpt.tokenizer.encode(PROMPT)
     n = 12
     params = SamplingParams(**{**params.__dict__, "max_tokens": n, "ignore_eos": True, "logprobs": 2})
