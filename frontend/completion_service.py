@@ -399,7 +399,8 @@ class CompletionService:
                             prep.completion_tokens += 1
                             # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
                             piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)
-                            choice.token(ev.logprobs, piece)
+                            if choice.wanted:
+                                choice.token(ev.logprobs, piece)
                             text += stops.feed(piece)
                             if stops.stopped:
                                 finished = True

@@ -233,10 +233,15 @@ async def _stream_response(
     try:
         for index in range(len(pieces)):
             await send(chunk(index, ""))  # the role chunk for chat; an empty text chunk for completions
-        async with contextlib.aclosing(_merged(pieces)) as merged:
-            async for index, piece in merged:
+        if len(pieces) == 1:  # one choice (the common case): no merging on the per-token path
+            async for piece in pieces[0]:
                 if piece.text or piece.finish_reason is not None or piece.logprobs:
-                    await send(chunk(index, piece.text, piece.finish_reason, entries=piece.logprobs))
+                    await send(chunk(0, piece.text, piece.finish_reason, entries=piece.logprobs))
+        else:
+            async with contextlib.aclosing(_merged(pieces)) as merged:
+                async for index, piece in merged:
+                    if piece.text or piece.finish_reason is not None or piece.logprobs:
+                        await send(chunk(index, piece.text, piece.finish_reason, entries=piece.logprobs))
         if prep.include_usage:
             await send(chunk(0, None, use=use()))
         await send("[DONE]")
