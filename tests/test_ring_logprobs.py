@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from blink_appliance.wire.client import EngineBusyError
-from blink_appliance.wire.request import Request, SamplingParams
+from blink_appliance.wire.request import FinishReason, Request, SamplingParams, TokenLogprobs
 from tests.ring_support import (
     SMALL,
     CounterEngine,
@@ -17,6 +17,7 @@ from tests.ring_support import (
     collect,
     counter_logprobs,
     expected_events,
+    hand_engine_client,
     server_thread,
     shm_region,
 )
@@ -69,3 +70,20 @@ async def test_a_full_area_is_busy_until_a_request_gives_its_rows_back():
             assert [e.logprobs for e in events] == [lp for lp, _ in _expected(PROMPT, big)]
             with pytest.raises(ValueError, match="need 105 .* holds 64"):
                 client.submit(PROMPT, dataclasses.replace(big, max_tokens=35))
+
+
+async def test_a_token_whose_logprob_row_names_another_token_ends_the_stream_with_an_error():
+    async with hand_engine_client() as (client, region):
+        rid = client.submit([5, 6], SamplingParams(max_tokens=4, logprobs=1))
+        pending = client._by_id[rid]
+        slot, first = pending.slot, pending.logprobs.offset
+        good, stale = TokenLogprobs(70, -0.5, ((70, -0.5),)), TokenLogprobs(3, -1.0, ((3, -1.0),))
+        region.write_logprob_rows(first, [good, stale], 2)  # token 1's row still holds an old request's
+        region.write_output_token(slot, 0, 70, 1000)
+        region.write_output_token(slot, 1, 71, 1001)
+        region.store_progress(slot, "count", 2)
+        events = await asyncio.wait_for(collect(client, rid), 5)
+        assert region.load_ctl(slot, "cancel") == pending.generation  # the engine is asked to stop
+    assert [e.token_id for e in events[:-1]] == [70] and events[0].logprobs == good
+    assert events[-1].finish_reason is FinishReason.ERROR
+    assert "logprob row of output token 1 names token 3, not 71" in events[-1].error

@@ -32,9 +32,11 @@ class Pending:
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
         """The first `n` tokens as non-final events."""
         if self.logprobs is not None and n:
-            for token, stamp, lp in zip(
-                tokens[:n].tolist(), times[:n].tolist(), self.logprobs.take(n), strict=True
+            for i, (token, stamp, lp) in enumerate(
+                zip(tokens[:n].tolist(), times[:n].tolist(), self.logprobs.take(n), strict=True)
             ):
+                if not self._row_holds(lp.token_id, token, i):
+                    return
                 prompt = self.logprobs.prompt()
                 self.queue.put_nowait(TokenEvent(self.request_id, token, None, None, stamp, lp, prompt))
             return
@@ -54,8 +56,22 @@ class Pending:
         lp = prompt = None
         if self.logprobs is not None and token is not None:
             lp, prompt = self.logprobs.take(1)[0], self.logprobs.prompt()
+            if not self._row_holds(lp.token_id, token, self.logprobs.taken - 1):
+                return
         self.queue.put_nowait(TokenEvent(self.request_id, token, reason, error, stamp, lp, prompt))
         self.terminated = True
+
+    def _row_holds(self, row_token: int, token: int, index: int) -> bool:
+        """A token's logprob row names the token: else the engine published the token before its row
+        (or wrote it elsewhere), and the stream ends with an error instead of wrong numbers (the
+        client then cancels the request)."""
+        if row_token == token:
+            return True
+        self.terminate(
+            FinishReason.ERROR,
+            f"engine_failure: the logprob row of output token {index} names token {row_token}, not {token}",
+        )
+        return False
 
     def terminate(self, reason: FinishReason, error: str) -> None:
         """A terminal event of the client's own (timeout, dead engine, corrupt channel), unless the

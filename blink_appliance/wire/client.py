@@ -402,6 +402,8 @@ class EngineClient:
                 pending.emit_terminal(status, int(tokens[-1]), int(times[-1]))
             if final and not pending.terminated:
                 pending.emit_terminal(status, None, int(status["finish_ns"]))
+            if pending.terminated and not final:  # ended on a bad logprob row: the engine stops too
+                r.store_ctl(slot, "cancel", pending.generation)
             moved = True
         self._delivered[slot] = count
         if finished:
@@ -461,6 +463,9 @@ class EngineClient:
             self.payload_waits += 1
         ready = max(0, min(arrived, len(tokens) - 1)) if final else arrived
         pending.deliver(tokens, times, ready)
+        if pending.terminated:  # a bad logprob row ended it: the engine stops too
+            self.region.store_ctl(slot, "cancel", pending.generation)
+            return True
         self._delivered[slot] = start + ready
         if ready:
             pending.payload_wait_since_ns = now  # progress: the timeout counts from here
