@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from blink_appliance.wire.errors import EngineBusyError
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import SamplingParams, TokenLogprobs
-from blink_appliance.wire.ring_layout import logprob_row_count, output_logprob_row
+from blink_appliance.wire.ring_layout import logprob_pair_count, output_logprob_row
 
 
 class LogprobArea:
@@ -51,8 +51,8 @@ class LogprobArea:
         EngineBusyError when no free range is large enough."""
         if params.logprobs is None:
             return None
-        rows = logprob_row_count(prompt_len, params.max_tokens, params.prompt_logprobs)
-        offset = self.reserve(slot, rows * (1 + params.logprobs))
+        n = logprob_pair_count(prompt_len, params.max_tokens, params.logprobs, params.prompt_logprobs)
+        offset = self.reserve(slot, n)
         if offset is None:
             raise EngineBusyError("the logprob area is full (requests in flight hold all of it)")
         return LogprobStream(region, offset, params.logprobs, prompt_len, params.prompt_logprobs)

@@ -20,7 +20,7 @@ from blink_appliance.wire.ring_layout import (
     RingGeometry,
     RingLayout,
     geometry_header,
-    logprob_row_count,
+    logprob_pair_count,
 )
 from blink_appliance.wire.transport import Transport
 
@@ -301,9 +301,7 @@ def checked_submission(
     if not -(2**31) <= priority < 2**31:
         raise ValueError(f"priority must fit in int32, got {priority}")
     if params.logprobs is not None:
-        pairs = logprob_row_count(prompt.size, params.max_tokens, params.prompt_logprobs) * (
-            1 + params.logprobs
-        )
+        pairs = logprob_pair_count(prompt.size, params.max_tokens, params.logprobs, params.prompt_logprobs)
         if pairs > g.logprob_pairs:
             raise ValueError(
                 f"logprobs for this request need {pairs} (token, logprob) pairs; this server's logprob "

@@ -285,9 +285,10 @@ CONTROL = _control_dtype()
 LOGPROB_PAIR = _struct([("token", "<i4", 0), ("logprob", "<f4", 4)], 8)
 
 
-def logprob_row_count(prompt_len: int, max_tokens: int, prompt_logprobs: bool) -> int:
-    """Rows a request's logprobs take: prompt positions 1..prompt_len-1 when asked, then its outputs."""
-    return max_tokens + (prompt_len - 1 if prompt_logprobs else 0)
+def logprob_pair_count(prompt_len: int, max_tokens: int, top_n: int, prompt_logprobs: bool) -> int:
+    """Pairs a request's logprobs take: a row of 1 + top_n for each prompt position 1..prompt_len-1
+    when asked, then one for each output token."""
+    return (max_tokens + (prompt_len - 1 if prompt_logprobs else 0)) * (1 + top_n)
 
 
 def output_logprob_row(index: int, prompt_len: int, prompt_logprobs: bool) -> int:

@@ -26,11 +26,12 @@ class DevicePenalties:
         self.precise = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self.programs = PROGRAMS_PER_SM * sms
+        self.slots = state.tensors()  # by name, once: the tensors never move
 
     def launch(self) -> None:
         st = self.state
         penalize_rows(
-            self.logits, st.num_sample_rows, st.sample_slot, st.tensors(), self.counts,
+            self.logits, st.num_sample_rows, st.sample_slot, self.slots, self.counts,
             max_model_len=st.token_ids.shape[1], max_bias=st.bias_ids.shape[1], programs=self.programs,
             precise=self.precise,
         )  # fmt: skip

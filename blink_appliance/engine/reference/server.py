@@ -34,7 +34,7 @@ from blink_appliance.wire.ring_layout import (
     STEP_TIME_FIELDS,
     ErrorCode,
     RingGeometry,
-    logprob_row_count,
+    logprob_pair_count,
     output_logprob_row,
     step_time_bucket,
 )
@@ -340,8 +340,8 @@ class EngineServer:
             raise _Rejected(
                 ErrorCode.INVALID_PARAMS, f"logprobs {top_n} / prompt_logprobs {prompt} out of range"
             )
-        rows = logprob_row_count(prompt_len, max_tokens, bool(prompt))
-        offset, end = int(record["lp_offset"]), int(record["lp_offset"]) + rows * (1 + top_n)
+        offset = int(record["lp_offset"])
+        end = offset + logprob_pair_count(prompt_len, max_tokens, top_n, bool(prompt))
         if end > self.geometry.logprob_pairs:
             raise _Rejected(
                 ErrorCode.BAD_RECORD,
