@@ -44,6 +44,16 @@ _GAUGES = (
     ("blink_num_requests_running", "Requests the engine is running", "running"),
     ("blink_num_requests_waiting", "Requests admitted and waiting in the engine", "waiting"),
     ("blink_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", "kv_usage"),
+    (
+        "blink_kv_cache_cached_blocks",
+        "KV blocks no request holds that keep a cached prefix",
+        "kv_blocks_cached",
+    ),
+)
+# Telemetry counters exposed as they are (prefix cache: tokens, like vLLM's).
+_COUNTERS = (
+    ("blink_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+    ("blink_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
 )
 
 
@@ -68,6 +78,7 @@ class _EngineGauges(Collector):
             "blink_engine_alive", "1 while the engine answers on the ring", labels=_LABELS
         )
         gauges = {attr: GaugeMetricFamily(name, doc, labels=_LABELS) for name, doc, attr in _GAUGES}
+        totals = {attr: CounterMetricFamily(name, doc, labels=_LABELS) for name, doc, attr in _COUNTERS}
         waits = CounterMetricFamily(
             "blink_ring_payload_waits",
             "Times the front end saw a published token count before the tokens it covers",
@@ -88,8 +99,11 @@ class _EngineGauges(Collector):
                 log.debug("engine telemetry of %s unavailable: %s", engine.model, e)
                 continue
             for attr, family in gauges.items():
-                value = getattr(counters, attr)
+                value = getattr(counters, attr, None)
                 if value is not None:
+                    family.add_metric([engine.model], float(value))
+            for attr, family in totals.items():
+                if (value := raw.get(attr)) is not None:
                     family.add_metric([engine.model], float(value))
             if (n := raw.get("payload_waits")) is not None:  # any is an engine write-ordering bug
                 waits.add_metric([engine.model], float(n))
@@ -99,7 +113,7 @@ class _EngineGauges(Collector):
                 steps.add_metric([engine.model], list(zip(bounds, cumulative, strict=True)), None)
         yield alive
         # A family with no sample is left out, as before: no engine reported that counter.
-        yield from (f for f in (*gauges.values(), waits, steps) if f.samples)
+        yield from (f for f in (*gauges.values(), *totals.values(), waits, steps) if f.samples)
 
 
 class MetricsRegistry:

@@ -109,7 +109,18 @@ class CounterEngine:
 
     def stats(self) -> Any:  # a CounterStats
         used = self.blocks_per_request * len(self.running)
-        return CounterStats(len(self.running), len(self.waiting), used, 1000, self.steps, self.generated, 0)
+        return CounterStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_blocks_used=used,
+            kv_blocks_total=1000,
+            kv_blocks_cached=0,
+            steps=self.steps,
+            generated_tokens=self.generated,
+            preemptions=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+        )
 
 
 def _row(token: int, value: float, top_n: int) -> TokenLogprobs:

@@ -360,3 +360,41 @@ async def test_other_error_statuses(live):
     async with aiohttp.ClientSession(headers=live.headers) as s:
         async with s.get(live.url + "/v1/completions") as resp:
             assert resp.status == 405 and "error" in await resp.json()
+
+
+async def _prefix_counters(live: LiveAppliance) -> tuple[float, float]:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(live.url + "/metrics") as r:
+            text = await r.text()
+    values = {}
+    for name in ("blink_prefix_cache_queries_total", "blink_prefix_cache_hits_total"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
+        values[name] = float(line.rsplit(" ", 1)[1])
+    return values["blink_prefix_cache_queries_total"], values["blink_prefix_cache_hits_total"]
+
+
+async def test_prefix_cache_reuses_a_repeated_prefix_and_keeps_the_output(live):
+    """The reference profile caches prefixes by default: a second request with the same long prefix
+    finds its blocks cached (/metrics, tokens) and answers what the first answered."""
+    system = "You are a careful assistant. Answer in one short sentence, and never use lists. " * 3
+    req = completion_request(system + "What is the capital of Italy?", max_tokens=6, ignore_eos=True)
+
+    async def counted_after(before: float) -> tuple[float, float]:
+        for _ in range(500):  # the engine writes its telemetry words every 10 ms
+            queries, hits = await _prefix_counters(live)
+            if queries > before:
+                return queries, hits
+            await asyncio.sleep(0.02)
+        raise AssertionError("the prefix cache's counters did not move")
+
+    queries_before, _ = await _prefix_counters(live)
+    status, first, _ = await post_json(live, "/v1/completions", req)
+    assert status == 200, first
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens >= 48
+    queries0, hits0 = await counted_after(queries_before)
+    _, again, _ = await post_json(live, "/v1/completions", req)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    queries, hits = await counted_after(queries0)
+    assert queries - queries0 == prompt_tokens
+    assert hits - hits0 == (prompt_tokens - 1) // 16 * 16  # every full block but a last one that ends it

@@ -63,8 +63,9 @@ def test_generated_logprobs_streamed_and_whole_agree_with_transformers(live, hf)
     lp = whole.choices[0].logprobs
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
-    # Each request ran alone, so the same fp32 sums: the same values.
-    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    # The second request may start from the first one's cached prompt blocks (prefix cache), whose
+    # K/V came from another batch: the same values up to fp32 rounding.
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
     assert [x for s in streamed for x in s.text_offset] == lp.text_offset
     ids = tok(PROMPT)["input_ids"]
     out = tok(whole.choices[0].text, add_special_tokens=False)["input_ids"]
@@ -89,7 +90,9 @@ def test_chat_logprobs_have_tokens_bytes_and_alternatives(live):
     assert text.startswith(whole.choices[0].message.content)  # a final EOS adds only its own bytes
     stream = client.chat.completions.create(**kw, stream=True)
     streamed = [c for chunk in stream for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    # Up to fp32 rounding: the stream may start from the first request's cached prompt blocks.
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
     plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None
 

@@ -257,6 +257,10 @@ class ModelPanel(Vertical):
                 _label("  step "),
                 fmt.ms(engine.last_step_ns / 1e6 if engine.last_step_ns else None),
             )
+            if (rate := engine.prefix_hit_rate) is not None:  # an engine that caches prefixes
+                cached = fmt.number(engine.kv_blocks_cached)
+                batch.append_text(_line(_label("  prefix hits "), fmt.number(100 * rate, "{:.0f}%"),
+                                        _label(" cached blocks "), cached))  # fmt: skip
         self.query_one("#batch", Static).update(batch)
         kv = self.query_one("#kv", UsageBar)
         kv.used = engine.kv_blocks_used if engine else None

@@ -36,8 +36,18 @@ class EngineCounters(BaseModel):
         None, validation_alias=AliasChoices("generated_tokens", "tokens_generated", "output_tokens")
     )
     last_step_ns: int | None = None  # duration of the engine's latest step
+    kv_blocks_cached: int | None = None  # blocks no request holds that keep a cached prefix
+    prefix_cache_queries: int | None = None  # tokens admissions looked up in the prefix cache
+    prefix_cache_hits: int | None = None  # of those, tokens found cached
     sm_partition: int | None = Field(None, validation_alias=AliasChoices("sm_partition", "num_sms", "sms"))
     device: str | None = None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Fraction of looked-up prompt tokens found cached, or None before any lookup."""
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def kv_usage(self) -> float | None:

@@ -21,6 +21,7 @@ from blink_appliance.wire.channels import ChannelBounds, Pending, terminal_writt
 from blink_appliance.wire.engine_watch import EngineWatch
 from blink_appliance.wire.errors import EngineBusyError, EngineDeadError
 from blink_appliance.wire.logprob_area import LogprobArea
+from blink_appliance.wire.prefix_hash import arena_words
 from blink_appliance.wire.region import RingRegion, checked_submission
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
 from blink_appliance.wire.ring_cursor import RingCursor
@@ -167,10 +168,11 @@ class EngineClient:
         if ring.head - tail >= g.request_slots:
             raise EngineBusyError(f"request ring full ({g.request_slots} records queued)")
         n = int(prompt.size)
+        words = arena_words(prompt, g.prefix_block_size)  # the prompt, then its block hashes if any
         position = ring.arena_head
-        if position % g.arena_tokens + n > g.arena_tokens:
+        if position % g.arena_tokens + words.size > g.arena_tokens:
             position += g.arena_tokens - position % g.arena_tokens  # keep the prompt contiguous
-        end = position + n
+        end = position + words.size
         if end - arena_tail > g.arena_tokens:
             raise EngineBusyError("prompt token arena full")
         # The record is built before anything is claimed: a field that does not fit its ring word
@@ -199,7 +201,7 @@ class EngineClient:
             r.clear_stamps(slot, params.max_tokens)  # 0 marks a token not yet written (see _drain_slot)
             r.store_ctl(slot, "request_id", request_id)
             r.store_ctl(slot, "generation", generation)
-            r.write_prompt(position, prompt.astype("<i4"))
+            r.write_prompt(position, words)
             ring.arena_head = end
             r.store("arena_head", end)
             record[0]["generation"], record[0]["slot"] = generation, slot

@@ -92,6 +92,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first; FCFS within a class
+    # The chain hashes of its full prompt blocks (wire/prefix_hash.py), for an engine that caches
+    # prefixes; () looks nothing up and caches nothing.
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ is a u64 at an 8-byte aligned offset. docs/protocol.md describes the protocol on
 Region, in order (each section starts on a 64-byte boundary):
   control    CONTROL dtype (header + counters + heartbeats + telemetry), 1 record
   records    REQUEST record [request_slots]
-  arena      int32 [arena_tokens]                    prompt tokens, a ring of its own
+  arena      int32 [arena_tokens]                    prompt tokens (+ block hashes), a ring of its own
   chan_ctl   CHANNEL_CTL [max_inflight]              written by the front end
   chan_prog  CHANNEL_PROGRESS [max_inflight]         written by the engine (count, done)
   chan_stat  CHANNEL_STATUS [max_inflight]           written by the engine (finish, error)
@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blink_appliance.wire.prefix_hash import prompt_words
 from blink_appliance.wire.request import FinishReason
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
 # 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s; 4: the logprob area,
-# penalties and logit_bias in the records
-VERSION = 4
+# penalties and logit_bias in the records; 5: block hashes after each prompt in the arena (prefix cache)
+VERSION = 5
 CACHE_LINE = 64
 # Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
 # set in the same store that publishes the terminal token, so a reader never mistakes the last
@@ -51,6 +52,9 @@ class RingGeometry:
     # logprobs (docs/protocol.md, "Logprob area"); 0: no area, logprobs are refused.
     logprob_pairs: int = 1 << 20
     max_logit_bias: int = 300  # (token, bias) entries per request record
+    # The engine's KV block size when it caches prefixes: each prompt is followed in the arena by the
+    # hashes of its full blocks of this size (wire/prefix_hash.py); 0: no hashes.
+    prefix_block_size: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,10 +68,15 @@ class RingGeometry:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value >= 2**31:
                 raise ValueError(f"RingGeometry.{name} must be an int in [1, 2**31), got {value!r}")
-        if self.max_prompt_tokens > self.arena_tokens:
+        if not isinstance(self.prefix_block_size, int) or not 0 <= self.prefix_block_size <= 1024:
             raise ValueError(
-                f"RingGeometry.max_prompt_tokens ({self.max_prompt_tokens}) must be <= "
-                f"arena_tokens ({self.arena_tokens})"
+                f"RingGeometry.prefix_block_size must be an int in [0, 1024], got {self.prefix_block_size!r}"
+            )
+        words = prompt_words(self.max_prompt_tokens, self.prefix_block_size)
+        if words > self.arena_tokens:
+            raise ValueError(
+                f"RingGeometry.arena_tokens ({self.arena_tokens}) must hold one prompt of max_prompt_tokens "
+                f"({self.max_prompt_tokens}) and its block hashes ({words} words)"
             )
         if not isinstance(self.logprob_pairs, int) or not 0 <= self.logprob_pairs < 2**31:
             raise ValueError(
@@ -136,9 +145,23 @@ def step_time_bucket(step_ns: int) -> int:
 # The telemetry block the engine publishes (u64 each, under a seqlock), by group. Names match
 # EngineStats where they come from it.
 # Occupancy now (gauges): from the engine's scheduler on the reference engine, slot states on the loop.
-OCCUPANCY_FIELDS: tuple[str, ...] = ("running", "waiting", "kv_blocks_used", "kv_blocks_total")
-# Counters of the engine's steps: EngineStats on the reference engine.
-STEP_COUNTER_FIELDS: tuple[str, ...] = ("steps", "generated_tokens", "preemptions")
+# kv_blocks_cached: blocks no sequence holds that keep a cached prefix (free, evicted last).
+OCCUPANCY_FIELDS: tuple[str, ...] = (
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_blocks_cached",
+)
+# Counters of the engine's steps: EngineStats on the reference engine. The prefix cache's are in
+# tokens: those admissions looked up, and those they found cached.
+STEP_COUNTER_FIELDS: tuple[str, ...] = (
+    "steps",
+    "generated_tokens",
+    "preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
 # Counters of the serving loop around the steps: the reference engine's ring server keeps them.
 SERVING_COUNTER_FIELDS: tuple[str, ...] = (
     "requests_admitted",
@@ -192,6 +215,7 @@ def _control_dtype() -> np.dtype:
         ("max_stop_ids", "<u4", 44),
         ("logprob_pairs", "<u4", 48),
         ("max_logit_bias", "<u4", 52),
+        ("prefix_block_size", "<u4", 56),
         # line 1: front end's producer words
         ("req_head", "<u8", 64),  # records published so far
         ("arena_head", "<u8", 72),  # arena tokens allocated so far (absolute)
@@ -341,6 +365,10 @@ class RingLayout:
     def record(self, index: int) -> int:
         return self.records + self.request.itemsize * (index % self.geometry.request_slots)
 
+    def prompt_words(self, prompt_len: int) -> int:
+        """Arena words of one prompt: its tokens, then its block hashes when the ring carries them."""
+        return prompt_words(prompt_len, self.geometry.prefix_block_size)
+
     def arena_at(self, position: int) -> int:
         return self.arena + 4 * (position % self.geometry.arena_tokens)
 
@@ -382,5 +410,6 @@ def geometry_header(geometry: RingGeometry) -> dict[str, int]:
         "max_stop_ids": geometry.max_stop_ids,
         "logprob_pairs": geometry.logprob_pairs,
         "max_logit_bias": geometry.max_logit_bias,
+        "prefix_block_size": geometry.prefix_block_size,
         "region_bytes": layout.size,  # last: a geometry mismatch is reported by its field first
     }

@@ -153,6 +153,11 @@ class DeviceScheduler:
             raise ValueError(
                 f"ring max_logit_bias ({rg.max_logit_bias}) differs from the loop's ({g.max_logit_bias})"
             )
+        if rg.prefix_block_size:
+            raise ValueError(
+                f"ring carries prompt block hashes (prefix_block_size {rg.prefix_block_size}): the GPU loop "
+                "does not cache prefixes, its rings must not (profile.py leaves them out for loop models)"
+            )
         if rg.max_stop_ids != g.max_stop_ids:
             raise ValueError(
                 f"ring max_stop_ids ({rg.max_stop_ids}) differs from the loop's ({g.max_stop_ids})"

@@ -111,6 +111,7 @@ def telemetry_values(
     values["waiting"] = sum(1 for s in slot_states if s == SlotState.WAITING)
     values["kv_blocks_total"] = num_kv_blocks
     values["kv_blocks_used"] = num_kv_blocks - free_top
+    values["kv_blocks_cached"] = 0  # the loop does not cache prefixes (profile.py refuses it)
     values.update(zip(STEP_TIME_FIELDS, step_times, strict=True))
     return values
 

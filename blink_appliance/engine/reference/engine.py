@@ -34,6 +34,7 @@ class EngineConfig:
     seed: int | None = None  # draws the seeds of requests that bring none; None: from the OS
     priority_aging_steps: int = 0  # a waiting request gains one priority level per this many steps; 0: off
     lower_class_limit: int = 0  # running sequences below the most urgent running class, at most; 0: no cap
+    prefix_cache: bool = False  # reuse the KV blocks of cached prompt prefixes (docs/engine.md)
 
     def validate(self) -> None:
         for name in (
@@ -73,6 +74,9 @@ class EngineStats:
     steps: int
     generated_tokens: int
     preemptions: int
+    kv_blocks_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -99,6 +103,7 @@ class LLMEngine:
                 config.max_num_batched_tokens,
                 config.priority_aging_steps,
                 config.lower_class_limit,
+                config.prefix_cache,
             ),
             self.allocator,
         )
@@ -134,6 +139,11 @@ class LLMEngine:
         bad = next((t for t, _ in req.params.logit_bias if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ValueError(f"logit_bias names token {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if len(req.block_hashes) > len(prompt) // self.config.block_size:
+            raise ValueError(
+                f"block_hashes has {len(req.block_hashes)} hashes, more than the prompt's full blocks "
+                f"of {self.config.block_size} tokens ({len(prompt) // self.config.block_size})"
+            )
         seed = req.params.seed if req.params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(
             request_id=req.request_id,
@@ -143,6 +153,7 @@ class LLMEngine:
             priority=req.priority,
             arrival=self._arrivals,
             seed=seed,
+            block_hashes=list(req.block_hashes) if self.config.prefix_cache else [],
         )
         self._arrivals += 1
         self._live[req.request_id] = seq
@@ -220,6 +231,9 @@ class LLMEngine:
             steps=self.steps,
             generated_tokens=self.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
+            kv_blocks_cached=self.allocator.num_cached,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
 
     def generate(self, requests: list[Request]) -> dict[int, list[int]]:

@@ -22,6 +22,10 @@ One call to `schedule()` decides one model step (docs/engine.md has the full sta
    urgent running one while L such sequences run (no skipping, so FCFS holds within a class).
 4. Aging (`priority_aging_steps` > 0): a waiting sequence's effective priority improves by one per
    that many steps waited, never past the most urgent base priority among live sequences.
+5. Prefix cache (`prefix_cache`): an admitted sequence starts with the cached blocks of its longest
+   cached prompt prefix (at most (tokens - 1) // block_size of them, so one token is always fed; none
+   for one that asks for prompt logprobs) and prefills the rest; after 1-3, every block a chunk of
+   this step fills is registered under its prompt block hash (docs/engine.md, "Prefix cache").
 
 A sequence samples in this step exactly when its chunk ends at its last token.
 """
@@ -45,6 +49,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     priority_aging_steps: int = 0  # 0: no aging
     lower_class_limit: int = 0  # running sequences of a class below the most urgent one, at most; 0: no cap
+    prefix_cache: bool = False  # admissions reuse cached prompt blocks; filled blocks are registered
 
 
 @dataclass
@@ -86,6 +91,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.clock = 0  # steps scheduled so far (schedule() calls that produced chunks): aging's clock
         self._next_run_order = 0
+        self.prefix_queries = 0  # tokens of the admissions that looked the cache up
+        self.prefix_hits = 0  # of those, tokens found cached
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -150,7 +157,24 @@ class Scheduler:
             self._admit(chunks, preempted, budget)
         if chunks:
             self.clock += 1
+        if self.config.prefix_cache:
+            self._register_filled(chunks)
         return SchedulerOutput(chunks, preempted, capped)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence would start with (phase 5)."""
+        if not self.config.prefix_cache or seq.params.prompt_logprobs:
+            return []
+        limit = min(len(seq.block_hashes), (seq.num_tokens - 1) // self.config.block_size)
+        return self.allocator.lookup(seq.block_hashes, limit)
+
+    def _register_filled(self, chunks: list[ScheduledChunk]) -> None:
+        """Cache the prompt blocks this step's chunks fill, in batch order (their KV is written by this
+        step's forward, before any later step can look them up)."""
+        bs = self.config.block_size
+        for c in chunks:
+            for j in range(c.start // bs, min(c.end // bs, len(c.seq.block_hashes))):
+                self.allocator.register(c.seq.block_table[j], c.seq.block_hashes[j])
 
     def _lower_class_count(self) -> int:
         """Running sequences of a class strictly below (greater than) the most urgent running one."""
@@ -196,22 +220,33 @@ class Scheduler:
                 preempted.append(victim)
             if not self._fits(seq, budget):
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
+            hits = self._cached_prefix(seq)
+            cached = len(hits) * self.config.block_size
+            n = min(seq.num_tokens - cached, budget)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            seq.block_table = self.allocator.allocate(self.blocks_for(n))
+            self.allocator.acquire(hits)
+            seq.block_table = hits + self.allocator.allocate(self.blocks_for(cached + n) - len(hits))
+            seq.num_computed_tokens = cached
+            if self.config.prefix_cache:
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += cached
             seq.run_priority = priority
             seq.run_order = self._next_run_order
             self._next_run_order += 1
             bisect.insort(self.running, seq, key=lambda s: s.run_key)
-            chunks.append(ScheduledChunk(seq, 0, n))
+            chunks.append(ScheduledChunk(seq, cached, n))
             budget -= n
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
-        """A free sequence slot, budget left, and the blocks of its first chunk on the free list."""
+        """A free sequence slot, budget left, and free capacity for the blocks of its first chunk
+        beyond its cached prefix and for the cached blocks it takes that nobody holds."""
         if len(self.running) >= self.config.max_num_seqs or budget <= 0:
             return False
-        return self.allocator.can_allocate(self.blocks_for(min(seq.num_uncomputed_tokens, budget)))
+        hits = self._cached_prefix(seq)
+        cached = len(hits) * self.config.block_size
+        need = self.blocks_for(cached + min(seq.num_tokens - cached, budget)) - len(hits)
+        return self.allocator.can_allocate(need + self.allocator.revived(hits))
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's KV, requeue it with all its tokens to feed again."""

@@ -31,6 +31,7 @@ class Sequence:
     priority: int  # lower runs first
     arrival: int  # admission counter: FCFS order within a priority class
     seed: int  # the request's seed, or one drawn at admission
+    block_hashes: list[int] = field(default_factory=list)  # of its full prompt blocks (prefix cache)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

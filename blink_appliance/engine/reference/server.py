@@ -27,6 +27,7 @@ from blink_appliance.wire.lifecycle import (
     release_arena,
     write_terminal,
 )
+from blink_appliance.wire.prefix_hash import hash_values
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import MAX_LOGPROBS, FinishReason, Request, SamplingParams, TokenEvent
 from blink_appliance.wire.ring_layout import (
@@ -99,6 +100,12 @@ class EngineServer:
         telemetry_interval_s: float = 0.01,
     ) -> None:
         self.engine = engine
+        block_size = getattr(getattr(engine, "config", None), "block_size", None)
+        if geometry.prefix_block_size and block_size and geometry.prefix_block_size != block_size:
+            raise ValueError(
+                f"ring prefix_block_size is {geometry.prefix_block_size}: its block hashes must cover the "
+                f"engine's KV blocks of {block_size} tokens"
+            )
         self.region = RingRegion.attach(transport, geometry)
         self.geometry = geometry
         self.vocab_size = vocab_size if vocab_size is not None else _engine_vocab_size(engine)
@@ -255,17 +262,19 @@ class EngineServer:
         if not 1 <= n <= g.max_prompt_tokens:
             raise _Rejected(ErrorCode.PROMPT_LENGTH, f"prompt_len {n} not in [1, {g.max_prompt_tokens}]")
         offset, end = int(record["prompt_offset"]), int(record["arena_end"])
+        words = self.region.layout.prompt_words(n)  # its block hashes follow when the ring has them
         if (
             offset < self._arena_tail
-            or end != offset + n
+            or end != offset + words
             or end > self.region.load("arena_head")
-            or offset % g.arena_tokens + n > g.arena_tokens
+            or offset % g.arena_tokens + words > g.arena_tokens
         ):
             raise _Rejected(
                 ErrorCode.BAD_RECORD,
                 f"prompt at arena [{offset}, {end}) of length {n} is outside the published arena",
             )
-        prompt = self.region.read_prompt(offset, n)
+        arena = self.region.read_prompt(offset, words)
+        prompt, hashes = arena[:n], hash_values(arena[n:])
         bad = np.nonzero((prompt < 0) | (prompt >= self.vocab_size))[0]
         if bad.size:
             i = int(bad[0])
@@ -329,7 +338,9 @@ class EngineServer:
             params.validate()
         except ValueError as exc:
             raise _Rejected(ErrorCode.INVALID_PARAMS, str(exc)) from None
-        return Request(request_id, prompt.tolist(), params, priority=int(record["priority"]))
+        return Request(
+            request_id, prompt.tolist(), params, priority=int(record["priority"]), block_hashes=tuple(hashes)
+        )
 
     def _decode_logprobs(self, record: np.void, prompt_len: int, max_tokens: int) -> int | None:
         """The record's top-N count (None: no logprobs), once its rows fit the logprob area."""
