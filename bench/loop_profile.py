@@ -210,9 +210,15 @@ async def host_case(rig: LoopRig, client: EngineClient, clock: Clock, case: Case
         await asyncio.sleep(0)  # the client's pump reads the ring
         return int(state.step_num_tokens[0])
 
-    decoding, steps_left = 0, skew + warmup + 50
-    while decoding < warmup and (steps_left := steps_left - 1) >= 0:
-        decoding = decoding + 1 if await beat(True) == case.batch else 0
+    decoding, steps_left, prefill = 0, skew + warmup + 50, []
+    while decoding < warmup and (steps_left := steps_left - 1) >= 0:  # prefill steps timed too
+        rig.heartbeat()
+        timing = timed_step(step, clock)
+        record_check()
+        await asyncio.sleep(0)
+        if timing["tokens"] > case.batch:
+            prefill.append(timing)
+        decoding = decoding + 1 if timing["tokens"] == case.batch else 0
     if decoding < warmup:
         raise RuntimeError(f"{case.name}: no run of {warmup} pure decode steps")
     timings = []
@@ -246,6 +252,9 @@ async def host_case(rig: LoopRig, client: EngineClient, clock: Clock, case: Case
         "case": case.name, "batch": case.batch, "sampled": case.sampled, "logprobs": case.logprobs,
         "median_ms": median | {"total": statistics.median(sum(t[p] for p in PIECES) for t in timings)},
         "mean_ms": {p: statistics.fmean(t[p] for t in timings) for p in PIECES},
+        "prefill_steps": len(prefill),  # steps that admitted and prefilled (schedule's lookups, registrations)
+        "prefill_median_ms": {p: statistics.median(t[p] for t in prefill) for p in ("schedule", "forward")}
+        | {"total": statistics.median(sum(t[p] for p in PIECES) for t in prefill)} if prefill else None,
         "buckets": sorted({t["bucket"] for t in timings}), "samplers": sorted({t["sampler"] for t in timings}),
         "steps_not_pure_decode": sum(t["tokens"] != case.batch for t in timings),
         "uncovered_spans": clock.uncovered, "host_step_wall_ms": wall_ms, "top_kernels": kernels, "check": check,
@@ -278,7 +287,8 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
         "max_model_len": mml, "max_num_batched_tokens": budget, "block_size": 16,
     }  # fmt: skip
     model |= {"kv_budget_gib": args.kv_gib} if args.kv_gib else {"kv_fraction": args.kv_fraction}
-    engine, frontend = {"mode": "host", "num_slots": slots}, {"max_inflight": slots}
+    engine = {"mode": "host", "num_slots": slots, "prefix_cache": not args.no_prefix_cache}
+    frontend = {"max_inflight": slots}
     profile = parse_profile({"models": [model], "engine": engine, "frontend": frontend}, origin=spec)
     device = torch.device(args.device)
     gc.collect()  # the previous geometry's rig
@@ -406,6 +416,7 @@ def arguments() -> argparse.Namespace:
         "--logprobs", nargs="*", type=int, default=[], help="also each case with logprobs=N on every row"
     )
     ap.add_argument("--penalties", action="store_true", help="also greedy cases with penalties on every row")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="[engine] prefix_cache = false")
     out = Path(os.environ["OUT"]) / "loop_profile.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=out, help="JSON report (default $OUT/loop_profile.json)")
     args = ap.parse_args()

@@ -253,9 +253,8 @@ class EngineSection(_Section):
     # lower classes (the rest are preempted, and no more are admitted), so the urgent one decodes in a
     # small batch; 0: no cap. Both engines (docs/engine.md, "Scheduling").
     lower_class_limit: int = Field(default=0, ge=0, le=2**31 - 1)
-    # Reuse the KV blocks of prompt prefixes already computed (docs/engine.md, "Prefix cache"). Default:
-    # on where the engine has it, the CPU reference engine; the GPU loop does not cache prefixes yet.
-    prefix_cache: bool | None = None
+    # Reuse the KV blocks of prompt prefixes already computed (docs/engine.md, "Prefix cache"). Both engines.
+    prefix_cache: bool = True
 
     @field_validator("buckets")
     @classmethod
@@ -334,10 +333,6 @@ class Profile(_Section):
         """Served by the GPU loop's code (mode "loop" or "host"), not the CPU reference engine."""
         return self.engine_mode_of(index) != "reference"
 
-    def prefix_cache_of(self, index: int) -> bool:
-        on = self.engine.prefix_cache
-        return (not self.uses_loop_of(index)) if on is None else on
-
     def num_slots_of(self, index: int) -> int:
         """Loop slots: every request the front end may have in flight, and at least one step's batch."""
         if self.engine.num_slots is not None:
@@ -388,8 +383,6 @@ class Profile(_Section):
             )
         if mode == "reference":
             return errors
-        if e.prefix_cache:
-            errors.append(f"engine.prefix_cache: the GPU loop ({key} runs on it) does not cache prefixes yet")
         if e.buckets is not None and e.buckets[-1] != m.max_num_batched_tokens:
             errors.append(
                 f"engine.buckets: must end at {key}.max_num_batched_tokens "
@@ -477,7 +470,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 def ring_geometry(profile: Profile, index: int = 0) -> RingGeometry:
     """The ring capacities of models[index]'s region, which its engine and the front end derive alike."""
     m = profile.models[index]
-    inflight, hashed = profile.frontend.max_inflight, m.block_size if profile.prefix_cache_of(index) else 0
+    inflight, hashed = profile.frontend.max_inflight, m.block_size if profile.engine.prefix_cache else 0
     return RingGeometry(
         request_slots=inflight,
         arena_tokens=max(prompt_words(m.prompt_limit, hashed), min(inflight * m.prompt_limit, 1 << 20)),

@@ -17,8 +17,9 @@ codes, counter indices and the channel structs' offsets arrive as constexprs (ke
 2. Slots in FINISHING (schedule's cancels, rejected records, shutdown): status (their finish_reason
    / error_code, terminal_token 0), count = the channel's count | FINAL_BIT, done = generation.
 3. Every released slot (finished rows first, in row order, then FINISHING slots in slot order)
-   pushes its block table onto the free-list stack in reverse (engine/reference/block_allocator.py's order:
-   the next pop hands the same ids back in the same order), clears its table to -1 and becomes FREE.
+   lets go of its blocks, its table in reverse (engine/reference/block_allocator.py's order): a block
+   left with no holder goes on the free stack, or to the LRU's tail when it is cached
+   (kernels/prefix_cache.py). The slot clears its table to -1 and becomes FREE.
 4. Counters: generated_tokens, requests_finished (every terminal except finish_reason ERROR, i.e.
    rejected records); num_active -= released; keep_running = (shutdown_seen == 0). When the
    iteration ran a forward (step_num_tokens > 0): last_step_ns = now - step_start_ns (schedule's
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.kv_blocks import push_blocks, push_blocks_each
+from blink_appliance.kernels.prefix_cache import BlockTensors, release_lanes
 from blink_appliance.kernels.ring_access import fence_sys, now_ns, store_release
 
 
@@ -48,19 +49,22 @@ def commit_kernel(
     slot_state_ptr, chan_ptr, generation_ptr, prompt_len_ptr, num_tokens_ptr, max_tokens_ptr,
     ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr, block_table_ptr, num_blocks_ptr,
     finish_reason_ptr, error_code_ptr,
-    free_blocks_ptr, free_top_ptr, num_active_ptr, shutdown_seen_ptr, keep_running_ptr,
+    free_blocks_ptr, free_top_ptr, block_ref_ptr, block_cached_ptr, block_key_ptr, cache_table_ptr, lru_ptr,
+    lru_pos_ptr, lru_words_ptr, evicted_ptr, num_active_ptr, shutdown_seen_ptr, keep_running_ptr,
     clock_offset_ns_ptr, host_clock_ns_ptr, counters_ptr, eos_ptr,
     ring64_ptr, ring32_ptr, tokens_at, times_at, prog_at, stat_at,
     step_start_ns_ptr, step_num_tokens_ptr, step_time_hist_ptr, step_bounds_ptr,
     S, D, max_output_tokens, max_inflight,
     MAX_STOP: tl.constexpr, BLOCK_STOP: tl.constexpr, MAX_EOS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
     MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_STEP_BUCKETS: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_STEP_BUCKETS: tl.constexpr, BLOCK_H: tl.constexpr, Q: tl.constexpr,
     # codes and offsets (kernels/loop_codes.py): SlotStates, FinishCodes, CommitCounters, ChannelLayout
     SLOT: tl.constexpr, FINISH: tl.constexpr, COUNTER: tl.constexpr, CHANNEL: tl.constexpr,
     ON_GPU: tl.constexpr,
 ):  # fmt: skip
     now = now_ns(host_clock_ns_ptr, clock_offset_ns_ptr, ON_GPU)
+    blocks = BlockTensors(block_ref_ptr, block_cached_ptr, block_key_ptr, cache_table_ptr, lru_ptr, lru_pos_ptr,
+                          evicted_ptr)  # fmt: skip
     final_bit = tl.full([], 1, tl.int64) << 63
     # One-element words this program updates: read here, written once at the end after a barrier
     # (kernels/schedule.py's docstring says why: a store by one thread may beat another warp's load).
@@ -80,9 +84,9 @@ def commit_kernel(
     top, generated, n_finished = _commit_rows(
         now, final_bit, top, sample_slot_ptr, sampled_ptr, slot_state_ptr, chan_ptr, generation_ptr,
         prompt_len_ptr, num_tokens_ptr, max_tokens_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr,
-        token_ids_ptr, block_table_ptr, num_blocks_ptr, free_blocks_ptr, eos_ptr,
+        token_ids_ptr, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, eos_ptr,
         ring64_ptr, ring32_ptr, tokens_at, times_at, prog_at, stat_at, S, max_output_tokens, max_inflight,
-        MAX_STOP, BLOCK_STOP, MAX_EOS, MAX_BLOCKS, MAX_MODEL_LEN, BLOCK_S, BLOCK_B,
+        MAX_STOP, BLOCK_STOP, MAX_EOS, MAX_BLOCKS, MAX_MODEL_LEN, BLOCK_S, BLOCK_B, Q,
         SLOT, FINISH, CHANNEL, ON_GPU,
     )  # fmt: skip
     tl.debug_barrier()
@@ -90,8 +94,8 @@ def commit_kernel(
     # -- 2. FINISHING slots: terminal without a token ---------------------------------------------------
     top, n_closed, counted = _close_slots(
         now, final_bit, top, slot_state_ptr, chan_ptr, generation_ptr, finish_reason_ptr, error_code_ptr,
-        block_table_ptr, num_blocks_ptr, free_blocks_ptr, ring64_ptr, ring32_ptr, prog_at, stat_at,
-        D, max_inflight, MAX_BLOCKS, BLOCK_D, BLOCK_B, SLOT, FINISH, CHANNEL, ON_GPU,
+        block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, ring64_ptr, ring32_ptr, prog_at,
+        stat_at, D, max_inflight, MAX_BLOCKS, BLOCK_D, BLOCK_B, Q, SLOT, FINISH, CHANNEL, ON_GPU,
     )  # fmt: skip
 
     # -- 3. counters and loop control ---------------------------------------------------------------------
@@ -111,10 +115,10 @@ def commit_kernel(
 def _commit_rows(
     now, final_bit, top, sample_slot_ptr, sampled_ptr, slot_state_ptr, chan_ptr, generation_ptr,
     prompt_len_ptr, num_tokens_ptr, max_tokens_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr,
-    token_ids_ptr, block_table_ptr, num_blocks_ptr, free_blocks_ptr, eos_ptr,
+    token_ids_ptr, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, eos_ptr,
     ring64_ptr, ring32_ptr, tokens_at, times_at, prog_at, stat_at, S, max_output_tokens, max_inflight,
     MAX_STOP: tl.constexpr, BLOCK_STOP: tl.constexpr, MAX_EOS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
-    MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+    MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, Q: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
     """Step 1 of the module docstring: append and publish each sample row's token, apply the stop
@@ -169,9 +173,10 @@ def _commit_rows(
     generation = tl.load(generation_ptr + s, mask=finished, other=0)
     store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=finished)
 
-    top += _release_blocks(
-        s, finished, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
-    )
+    top = _release_blocks(
+        s, finished, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, MAX_BLOCKS,
+        BLOCK_B, Q,
+    )  # fmt: skip
     tl.store(slot_state_ptr + s, tl.full([BLOCK_S], SLOT.FREE, tl.int32), mask=finished)
     generated = tl.sum(room.to(tl.int64), 0)
     n_finished = tl.sum(finished.to(tl.int32), 0)
@@ -181,9 +186,9 @@ def _commit_rows(
 @triton.jit
 def _close_slots(
     now, final_bit, top, slot_state_ptr, chan_ptr, generation_ptr, finish_reason_ptr, error_code_ptr,
-    block_table_ptr, num_blocks_ptr, free_blocks_ptr, ring64_ptr, ring32_ptr, prog_at, stat_at,
-    D, max_inflight, MAX_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-    SLOT: tl.constexpr, FINISH: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
+    block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, ring64_ptr, ring32_ptr, prog_at,
+    stat_at, D, max_inflight, MAX_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+    Q: tl.constexpr, SLOT: tl.constexpr, FINISH: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
     """Step 2 of the module docstring: publish the terminal event of every FINISHING slot (no
     token) and release it. Returns (stack top, slots closed, how many of them count as finished
@@ -216,9 +221,10 @@ def _close_slots(
         generation = tl.load(generation_ptr + d, mask=publish, other=0)
         store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=publish)
 
-        top += _release_blocks(
-            d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B, EACH=True
-        )
+        top = _release_blocks(
+            d, closing, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, MAX_BLOCKS,
+            BLOCK_B, Q,
+        )  # fmt: skip
         tl.store(slot_state_ptr + d, tl.full([BLOCK_D], SLOT.FREE, tl.int32), mask=closing)
         tl.store(finish_reason_ptr + d, tl.zeros_like(why), mask=closing)
         tl.store(error_code_ptr + d, tl.zeros_like(err), mask=closing)
@@ -228,22 +234,23 @@ def _close_slots(
 
 @triton.jit
 def _release_blocks(
-    slots, release, base, block_table_ptr, num_blocks_ptr, free_blocks_ptr,
-    MAX_BLOCKS: tl.constexpr, BLOCK_B: tl.constexpr, EACH: tl.constexpr = False,
+    slots, release, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr,
+    MAX_BLOCKS: tl.constexpr, BLOCK_B: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """Push the block tables of `slots` where `release` onto the free stack from position `base` on,
-    one slot after the other in lane order, each table in reverse; clear the tables. Returns the
-    number of blocks pushed. EACH: `slots` is slot-wide and few release (push_blocks_each)."""
+    """The slots in `release` let go of their blocks one after the other in lane order
+    (kernels/prefix_cache.py release_one: the stack, or the LRU for cached ones); their tables are
+    cleared. The LRU's tail and live count are read and written here (nothing else in commit
+    touches them). Returns the stack top."""
     nb = tl.where(release, tl.load(num_blocks_ptr + slots, mask=release, other=0), 0)
-    start = base + tl.cumsum(nb, 0) - nb
-    if EACH:
-        push_blocks_each(
-            release, nb, start, slots.to(tl.int64), tl.arange(0, slots.shape[0]), block_table_ptr, free_blocks_ptr,
-            MAX_BLOCKS, BLOCK_B,
-        )  # fmt: skip
-    else:
-        push_blocks(
-            release, nb, start, slots.to(tl.int64), block_table_ptr, free_blocks_ptr, MAX_BLOCKS, BLOCK_B
-        )
+    tl.debug_barrier()
+    tail = tl.load(lru_words_ptr + 1)
+    n_cached = tl.load(lru_words_ptr + 2).to(tl.int32)
+    top, tail, n_cached = release_lanes(
+        release, tl.arange(0, slots.shape[0]), slots, nb, top, tail, n_cached, block_table_ptr, free_blocks_ptr,
+        blocks, MAX_BLOCKS, BLOCK_B, Q, False,
+    )  # fmt: skip
+    tl.store(lru_words_ptr + 1, tail)
+    tl.store(lru_words_ptr + 2, n_cached.to(tl.int64))
     tl.store(num_blocks_ptr + slots, tl.zeros_like(nb), mask=release)
-    return tl.sum(nb, 0)
+    tl.debug_barrier()
+    return top

@@ -53,6 +53,8 @@ class ScheduleCounters(NamedTuple):
     requests_cancelled: int
     step_tokens: int
     records_unaddressable: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 class CommitCounters(NamedTuple):

@@ -10,8 +10,8 @@ sampling tensors. Everything the host would compute is computed here from device
 launch can sit in a CUDA graph with no host in the loop.
 
 `schedule_kernel` is the program's steps in order; each step is a helper (Triton inlines them, so
-the program is the same as one function): ring intake in schedule_records.py, the KV block stack in
-kv_blocks.py, the batch in schedule_batch.py, the outputs in schedule_step.py. Every code and
+the program is the same as one function): ring intake in schedule_records.py, the KV blocks and the
+prefix cache in prefix_cache.py, the batch in schedule_batch.py, the outputs in schedule_step.py. Every code and
 offset it shares with the rest of the project arrives as a constexpr (kernels/loop_codes.py).
 
 How it is laid out for speed: per-slot state lives in registers as [BLOCK_D] vectors; running
@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.kv_blocks import release_slots
+from blink_appliance.kernels.prefix_cache import BlockTensors, compact_lru, register_filled, release_lanes
 from blink_appliance.kernels.ring_access import now_ns
 from blink_appliance.kernels.schedule_batch import build_batch
 from blink_appliance.kernels.schedule_records import read_ring_words, take_records
@@ -96,6 +96,8 @@ class SlotTensors(NamedTuple):
     bias_values: tl.tensor
     bias_stage_ids: tl.tensor  # the scheduler's scratch: each record's logit_bias on its way to its slot
     bias_stage_values: tl.tensor
+    n_hashes: tl.tensor
+    prefix_hash: tl.tensor
 
 
 class StepTensors(NamedTuple):
@@ -129,8 +131,9 @@ def schedule_kernel(
     block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr, lp_top_n_ptr, lp_offset_ptr,
     penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr, repetition_penalty_ptr, n_bias_ptr,
     bias_ids_ptr, bias_values_ptr,
-    # DeviceState, free stack, step tables, sampling rows, control
-    free_blocks_ptr, free_top_ptr, step_slot_ptr, step_chunk_ptr, sample_slot_ptr, step_num_tokens_ptr,
+    # DeviceState, KV blocks (kernels/prefix_cache.py), step tables, sampling rows, control
+    free_blocks_ptr, free_top_ptr, block_ref_ptr, block_cached_ptr, block_key_ptr, cache_table_ptr, lru_ptr,
+    lru_pos_ptr, lru_words_ptr, evicted_ptr, n_hashes_ptr, prefix_hash_ptr, step_slot_ptr, step_chunk_ptr, sample_slot_ptr, step_num_tokens_ptr,
     bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr, row_min_p_ptr,
     row_seed_ptr, row_output_index_ptr, num_active_ptr, shutdown_seen_ptr, next_arrival_ptr,
     next_run_order_ptr, counters_ptr,
@@ -149,12 +152,15 @@ def schedule_kernel(
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
     MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr,
     MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr,
+    # the prefix cache: the ring's hash block size (0: off), table entries, LRU ring, per-slot hash words
+    PBS: tl.constexpr, C: tl.constexpr, Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr,
     OFF_RECORDS: tl.constexpr, REC_BYTES: tl.constexpr, OFF_ARENA: tl.constexpr, OFF_CTL: tl.constexpr,
     OFF_PROG: tl.constexpr,
     # tile sizes
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_STOP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    BLOCK_HASH: tl.constexpr,
     # codes and offsets the launcher fills by name (kernels/loop_codes.py)
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, COUNTER: tl.constexpr,
     CONTROL: tl.constexpr, RECORD: tl.constexpr, CHANNEL: tl.constexpr,
@@ -167,8 +173,10 @@ def schedule_kernel(
         stop_ids_ptr, token_ids_ptr, block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
         lp_top_n_ptr, lp_offset_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr,
         repetition_penalty_ptr, n_bias_ptr, bias_ids_ptr, bias_values_ptr, bias_stage_ids_ptr,
-        bias_stage_values_ptr,
+        bias_stage_values_ptr, n_hashes_ptr, prefix_hash_ptr,
     )  # fmt: skip
+    blocks = BlockTensors(block_ref_ptr, block_cached_ptr, block_key_ptr, cache_table_ptr, lru_ptr, lru_pos_ptr,
+                          evicted_ptr)  # fmt: skip
     step = StepTensors(  # positionally, in the order of its fields
         step_slot_ptr, step_chunk_ptr, sample_slot_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr,
         row_min_p_ptr, row_seed_ptr, row_output_index_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr,
@@ -189,6 +197,11 @@ def schedule_kernel(
     next_run_order = tl.load(next_run_order_ptr)
     clock = tl.load(counters_ptr + COUNTER.steps)  # steps before this one: aging's clock (read only here)
     table_width = tl.load(scratch_ptr + BLOCK_D + BLOCK_S)  # block-table columns the last forward used
+    lru_head = tl.load(lru_words_ptr)
+    lru_tail = tl.load(lru_words_ptr + 1)
+    n_cached = tl.load(lru_words_ptr + 2).to(tl.int32)
+    if lru_tail - lru_head > Q // 2:  # dead entries (cached blocks taken again) fill the LRU ring: drop them
+        lru_tail = compact_lru(lru_head, lru_tail, blocks, Q, BLOCK_L)
     shutdown, tail, arena_tail, live, addressable, cancel_word, position, rec, seq_word = read_ring_words(
         ring_ptr, snap_ptr, st, ch_d, md, OFF_RECORDS, REC_BYTES, REQ_SLOTS, OFF_CTL, MAX_INFLIGHT,
         BLOCK_R, BLOCK_D, SLOT, CONTROL, CHANNEL, ON_GPU,
@@ -204,17 +217,21 @@ def schedule_kernel(
     n_rejected = tl.full([], 0, tl.int32)
     n_cancelled = tl.full([], 0, tl.int32)
     n_unaddressable = tl.full([], 0, tl.int32)
+    n_queried = tl.full([], 0, tl.int32)  # prefix cache: tokens of the admissions that looked up
+    n_hit = tl.full([], 0, tl.int32)  # and of those, found cached
 
     if shutdown != 0:
         # 1. Shutdown: every live slot ends with ABORT / SHUTDOWN; nothing is admitted or scheduled.
         # Records still in the ring stay there for the host to drain once the loop has ended.
-        top = _end_slots(live, nb_d, top, ERROR.SHUTDOWN, free_blocks_ptr, slots,
-                         MAXB, BLOCK_D, BLOCK_J, SLOT, FINISH)  # fmt: skip
+        top, lru_tail, n_cached = _end_slots(live, nb_d, top, lru_tail, n_cached, ERROR.SHUTDOWN, free_blocks_ptr, slots,
+                                         blocks, MAXB, BLOCK_D, BLOCK_J, Q, SLOT, FINISH)  # fmt: skip
         tl.store(shutdown_seen_ptr, 1)
     else:
         # 2. Cancels: a live slot whose channel's cancel word equals its generation.
-        st, top, n_cancelled = _apply_cancels(st, top, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr,
-                                              slots, MAXB, BLOCK_D, BLOCK_J, SLOT, FINISH)  # fmt: skip
+        st, top, lru_tail, n_cached, n_cancelled = _apply_cancels(
+            st, top, lru_tail, n_cached, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr, slots, blocks,
+            MAXB, BLOCK_D, BLOCK_J, Q, SLOT, FINISH,
+        )  # fmt: skip
 
         # 3. Records from the ring: the published run starting at req_tail, at most one per free slot.
         unpublished = (seq_word != position + 1).to(tl.int32)
@@ -226,7 +243,7 @@ def schedule_kernel(
                 st, ch_d, free_d, md, tail, arena_tail, rec, n_records, next_arrival, n_cancelled,
                 engine_seed, ring_ptr, snap_ptr, slots,
                 OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS,
-                MAX_BIAS, BIAS_TILE,
+                MAX_BIAS, BIAS_TILE, PBS, HSTRIDE,
                 MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
                 SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
             )  # fmt: skip
@@ -238,10 +255,18 @@ def schedule_kernel(
         # one beyond LIMIT are preempted; running sequences in (class, admission) order get their
         # chunks (preempting the last ones when blocks run out), then waiting slots are admitted into
         # what is left, preempting running ones of a strictly lower class when they do not fit.
-        top, next_run_order, nseq, ntot, nsamp, sampler_index, n_preempted = build_batch(
-            st, md, top, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots, step,
-            S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING, LIMIT, SLOT,
+        top, lru_head, lru_tail, n_cached, next_run_order, nseq, ntot, nsamp, sampler_index, n_preempted, n_queried, n_hit = (
+            build_batch(
+                st, md, top, lru_head, lru_tail, n_cached, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr,
+                slots, blocks, step, S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING,
+                LIMIT, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
+            )
         )  # fmt: skip
+        if PBS > 0:  # this step's chunks register the prompt blocks they fill (step tables written above)
+            tl.debug_barrier()
+            register_filled(nseq, step.step_slot, step.step_chunk, step.context_lens, slots.n_hashes,
+                            slots.prefix_hash, slots.block_table, blocks, BS, MAXB, C, HSTRIDE, BLOCK_S,
+                            BLOCK_HASH)  # fmt: skip
 
     # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.
     bucket = finish_step_tables(
@@ -258,8 +283,8 @@ def schedule_kernel(
         )  # fmt: skip
 
     # 7. Counters, active slots.
-    delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable,
-                           BLOCK_NC, COUNTER)  # fmt: skip
+    delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried,
+                           n_hit, BLOCK_NC, COUNTER)  # fmt: skip
     offs_c = tl.arange(0, BLOCK_NC)
     counters = tl.load(counters_ptr + offs_c, mask=offs_c < NUM_COUNTERS, other=0)
     num_active = tl.sum((md & (st != SLOT.FREE)).to(tl.int32), 0)
@@ -267,6 +292,9 @@ def schedule_kernel(
     tl.store(counters_ptr + offs_c, counters + delta, mask=offs_c < NUM_COUNTERS)
     tl.store(num_active_ptr, num_active)
     tl.store(free_top_ptr, top)
+    tl.store(lru_words_ptr, lru_head)
+    tl.store(lru_words_ptr + 1, lru_tail)
+    tl.store(lru_words_ptr + 2, n_cached.to(tl.int64))
     tl.store(next_arrival_ptr, next_arrival)
     tl.store(next_run_order_ptr, next_run_order)
     tl.store(scratch_ptr + BLOCK_D + BLOCK_S, table_width)
@@ -274,34 +302,36 @@ def schedule_kernel(
 
 @triton.jit
 def _apply_cancels(
-    st, top, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr, slots,
-    MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    st, top, tail, n_cached, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr, slots, blocks,
+    MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr,
 ):  # fmt: skip
     """End the live slots whose channel's cancel word (snapped) equals their generation with ABORT.
-    Returns (the slot states now, the stack top, how many were cancelled)."""
+    Returns (the slot states now, the stack top, the LRU tail and live count, how many were cancelled)."""
     cancelled = addressable & (cancel_word == gen_d)
     n_cancelled = tl.sum(cancelled.to(tl.int32), 0)
     if n_cancelled > 0:
-        top = _end_slots(
-            cancelled, nb_d, top, 0, free_blocks_ptr, slots, MAXB, BLOCK_D, BLOCK_J, SLOT, FINISH
-        )
+        top, tail, n_cached = _end_slots(
+            cancelled, nb_d, top, tail, n_cached, 0, free_blocks_ptr, slots, blocks, MAXB, BLOCK_D, BLOCK_J, Q,
+            SLOT, FINISH,
+        )  # fmt: skip
         st = tl.where(cancelled, SLOT.FINISHING, st)
-    return st, top, n_cancelled
+    return st, top, tail, n_cached, n_cancelled
 
 
 @triton.jit
 def _end_slots(
-    ending, nb_d, top, ERROR_CODE: tl.constexpr, free_blocks_ptr, slots,
-    MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    ending, nb_d, top, tail, n_cached, ERROR_CODE: tl.constexpr, free_blocks_ptr, slots, blocks,
+    MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr,
 ):  # fmt: skip
-    """End the slots in `ending` (live ones) with ABORT and ERROR_CODE: their blocks back on the
-    stack, FINISHING so that commit publishes the terminal event. Returns the new stack top."""
+    """End the slots in `ending` (live ones) with ABORT and ERROR_CODE: their blocks let go of in slot
+    order, FINISHING so that commit publishes the terminal event. Returns (top, tail, n_cached)."""
     offs_d = tl.arange(0, BLOCK_D)
-    top = release_slots(ending, nb_d, top, offs_d, slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)
+    top, tail, n_cached = release_lanes(ending, offs_d, offs_d, nb_d, top, tail, n_cached, slots.block_table,
+                                        free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
     tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.FINISHING, tl.int32), mask=ending)
     tl.store(slots.finish_reason + offs_d, tl.full([BLOCK_D], FINISH.ABORT, tl.int32), mask=ending)
     tl.store(slots.error_code + offs_d, tl.full([BLOCK_D], ERROR_CODE, tl.int32), mask=ending)
     tl.store(slots.num_blocks + offs_d, tl.zeros([BLOCK_D], tl.int32), mask=ending)
-    return top
+    return top, tail, n_cached

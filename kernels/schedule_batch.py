@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.kv_blocks import pop_blocks, push_blocks
+from blink_appliance.kernels.prefix_cache import acquire_prefix, lookup_prefix, release_lanes, take_blocks
 from blink_appliance.kernels.sampling import (
     SAMPLER_FULL,
     SAMPLER_GREEDY,
@@ -37,40 +37,66 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 @triton.jit
 def build_batch(
-    st, md, top, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots, step,
+    st, md, top, head, tail, n_cached, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr, slots,
+    blocks, step,
     S: tl.constexpr, MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_RANK: tl.constexpr,
-    AGING: tl.constexpr, LIMIT: tl.constexpr, SLOT: tl.constexpr,
+    AGING: tl.constexpr, LIMIT: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr, Q: tl.constexpr,
+    HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
     """The step's batch (Scheduler.schedule): the class cap, running slots in running order get their
     chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
-    (stack top, next_run_order, sequences, tokens, sample rows, sampler variant, preemptions)."""
+    (stack top, LRU head, tail and live count, next_run_order, sequences, tokens, sample rows, sampler
+    variant, preemptions, prefix cache tokens looked up and found)."""
     m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k = order_running(
         st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
     )
-    m, pre_k, nb_k, top, n_capped = cap_lower_classes(
-        m, ms, ks, nb_k, rp_k, top, offs_s, free_blocks_ptr, slots, MAXB, BLOCK_S, BLOCK_J, LIMIT, SLOT
-    )  # m: the running ones it kept, the first m in running order
-    n_k, nb_k, pre_k, budget, top, n_preempted = fill_budget(
-        top, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots,
-        MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J,
+    m, pre_k, nb_k, top, tail, n_cached, n_capped = cap_lower_classes(
+        m,
+        ms,
+        ks,
+        nb_k,
+        rp_k,
+        top,
+        tail,
+        n_cached,
+        offs_s,
+        free_blocks_ptr,
+        slots,
+        blocks,
+        MAXB,
+        BLOCK_S,
+        BLOCK_J,
+        Q,
+        LIMIT,
+        SLOT,
+    )  # fmt: skip  (m: the running ones it kept, the first m in running order)
+    n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted = fill_budget(
+        top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots, blocks,
+        MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, C, Q, BLOCK_L,
     )  # fmt: skip
-    n_k, nb_k, pre_k, top, next_run_order, n_victims, n_new, ntot_new, nsamp_new, sampler_new = admit_waiting(
-        budget, top, next_run_order, st, md, m, n_preempted, n_capped, clock,
-        ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, step,
-        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, SLOT,
+    n_k, nb_k, pre_k, top, head, tail, n_cached, next_run_order, n_victims, new, n_queried, n_hit = admit_waiting(
+        budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock,
+        ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
+        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
     )  # fmt: skip
+    n_new, ntot_new, nsamp_new, sampler_new = new
     store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT)
     nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
     sampler_index = _either_sampler(sampler_index, sampler_new)
     return (
         top,
+        head,
+        tail,
+        n_cached,
         next_run_order,
         nseq + n_new,
         ntot + ntot_new,
         nsamp + nsamp_new,
         sampler_index,
         n_capped + n_preempted + n_victims,
+        n_queried,
+        n_hit,
     )
 
 
@@ -116,15 +142,15 @@ def order_running(
 
 @triton.jit
 def cap_lower_classes(
-    m, ms, ks, nb_k, rp_k, top, offs_s, free_blocks_ptr, slots,
-    MAXB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, LIMIT: tl.constexpr,
+    m, ms, ks, nb_k, rp_k, top, tail, n_cached, offs_s, free_blocks_ptr, slots, blocks,
+    MAXB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr, LIMIT: tl.constexpr,
     SLOT: tl.constexpr,
 ):  # fmt: skip
     """Phase 0 (Scheduler._cap_lower_classes): with LIMIT > 0, the running sequences of a class below
     the most urgent running one beyond LIMIT are preempted, the last in running order first: the
-    tail of the run order, its blocks pushed from the last one on. Their slot state is WAITING from
+    tail of the run order lets go of its blocks from the last one on. Their slot state is WAITING from
     here on (admit_waiting reads it back; store_running writes the rest). Returns (the running ones
-    kept, the first in run order, the preempted flags, blocks held, the stack top, how many)."""
+    kept, the first in run order, the preempted flags, blocks held, top, tail, n_cached, how many)."""
     pre_k = tl.zeros([BLOCK_S], tl.int32)
     n_capped = tl.full([], 0, tl.int32)
     if LIMIT > 0:
@@ -133,38 +159,36 @@ def cap_lower_classes(
         n_capped = tl.maximum(n_lower - LIMIT, 0)
         if n_capped > 0:
             victim = ms & (offs_s >= m - n_capped)
-            freed = tl.where(victim, nb_k, 0)
-            push_blocks(
-                victim, freed, top + tl.cumsum(freed, 0, reverse=True) - freed, ks,
-                slots.block_table, free_blocks_ptr, MAXB, BLOCK_J,
-            )  # fmt: skip
-            top += tl.sum(freed, 0)
+            top, tail, n_cached = release_lanes(victim, offs_s, ks, nb_k, top, tail, n_cached, slots.block_table,
+                                                free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, True)  # fmt: skip
             pre_k = tl.where(victim, 1, pre_k)
             nb_k = tl.where(victim, 0, nb_k)
             tl.store(slots.slot_state + ks, tl.full([BLOCK_S], SLOT.WAITING, tl.int32), mask=victim)
-            tl.debug_barrier()  # the pushes and states are visible before the fill pops blocks
-    return m - n_capped, pre_k, nb_k, top, n_capped
+            tl.debug_barrier()  # the states are visible before the fill pops blocks
+    return m - n_capped, pre_k, nb_k, top, tail, n_cached, n_capped
 
 
 @triton.jit
 def fill_budget(
-    top, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots,
+    top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots, blocks,
     MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_J: tl.constexpr,
+    BLOCK_J: tl.constexpr, C: tl.constexpr, Q: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
     """The budget fill (Scheduler.schedule phases 1-2) of the first m running sequences in run order
     (those the class cap kept), in rounds (store_running stores the outcome once admission is done).
-    Returns (each one's chunk, blocks held and preempted flag, the budget left, the stack top, how
-    many it preempted).
+    Returns (each one's chunk, blocks held and preempted flag, the budget left, top, head, tail,
+    n_cached, how many it preempted).
 
     A round schedules sequences i0..hi as if no preemption happened: decodes 1 token, prefills
     greedily from what the budget leaves after one token per decode (= the reference's `reserved`),
-    blocks from the stack top by prefix sums. The first sequence whose blocks do not fit ends the
-    round: the sequences before it keep their chunks, the most recent ones (from hi down) are
-    preempted until it fits or it is itself the victim, and the next round starts after it."""
+    blocks from the free stack and then the LRU, by prefix sums. The first sequence whose blocks do
+    not fit ends the round: the sequences before it keep their chunks, the most recent ones (from hi
+    down) are preempted one by one until it fits or it is itself the victim (a victim frees only the
+    blocks nobody else holds), and the next round starts after it."""
     block_table_ptr = slots.block_table
     rem_k = ntok_k - ncomp_k
     n_k = tl.zeros([BLOCK_S], tl.int32)
+    zeros = tl.zeros([BLOCK_S], tl.int32)
     budget = tl.full([], MAX_BATCHED, tl.int32)
     i0 = tl.full([], 0, tl.int32)
     hi = m - 1
@@ -180,10 +204,10 @@ def fill_budget(
         )
         need = tl.where(n > 0, (ncomp_k + n + BS - 1) // BS - nb_k, 0)
         cum_need = tl.cumsum(need, 0)
-        kstar = tl.min(tl.where(act & (cum_need > top), offs_s, BLOCK_S), 0)
+        kstar = tl.min(tl.where(act & (cum_need > top + n_cached), offs_s, BLOCK_S), 0)
         ok = act & (offs_s < kstar)
-        pop_blocks(ok, need, cum_need - need, ks, nb_k, top, block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)
-        top -= tl.sum(tl.where(ok, need, 0), 0)
+        top, head, n_cached = take_blocks(ok, need, cum_need - need, ks, nb_k, top, head, tail, n_cached,
+                                          block_table_ptr, free_blocks_ptr, blocks, MAXB, BLOCK_J, C, Q, BLOCK_L)  # fmt: skip
         budget -= tl.sum(tl.where(ok, n, 0), 0)
         n_k = tl.where(ok, n, n_k)
         nb_k = tl.where(ok, nb_k + need, nb_k)
@@ -191,36 +215,32 @@ def fill_budget(
             is_k = offs_s == kstar
             need_k = tl.sum(tl.where(is_k, need, 0), 0)
             n_star = tl.sum(tl.where(is_k, n, 0), 0)
-            behind = (offs_s > kstar) & (offs_s <= hi)
-            blocks_from = tl.cumsum(tl.where(behind, nb_k, 0), 0, reverse=True)  # freed by victims j..hi
-            enough = behind & (top + blocks_from >= need_k)
-            first_victim = tl.max(tl.where(enough, offs_s, -1), 0)
-            survives = first_victim >= 0
-            first_victim = tl.where(survives, first_victim, kstar)
-            victim = (offs_s >= first_victim) & (offs_s <= hi)
-            freed = tl.where(victim, nb_k, 0)
-            tl.debug_barrier()  # the pops above have read their stack entries
-            push_blocks(
-                victim, freed, top + tl.cumsum(freed, 0, reverse=True) - freed, ks,
-                block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J,
-            )  # fmt: skip
-            top += tl.sum(freed, 0)
-            pre_k = tl.where(victim, 1, pre_k)
-            nb_k = tl.where(victim, 0, nb_k)
-            tl.debug_barrier()  # the victims' blocks are on the stack before kstar pops them
+            v = hi
+            while (v > kstar) & (top + n_cached < need_k):
+                is_v = offs_s == v
+                top, tail, n_cached = release_lanes(is_v, offs_s, ks, nb_k, top, tail, n_cached, block_table_ptr,
+                                                    free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
+                pre_k = tl.where(is_v, 1, pre_k)
+                nb_k = tl.where(is_v, 0, nb_k)
+                v -= 1
+            survives = top + n_cached >= need_k
+            if top + n_cached < need_k:  # it is the victim itself
+                top, tail, n_cached = release_lanes(is_k, offs_s, ks, nb_k, top, tail, n_cached, block_table_ptr,
+                                                    free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
+                pre_k = tl.where(is_k, 1, pre_k)
+                nb_k = tl.where(is_k, 0, nb_k)
             take = is_k & survives
-            pop_blocks(take, need, tl.zeros([BLOCK_S], tl.int32), ks, nb_k, top,
-                       block_table_ptr, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
-            top -= tl.where(survives, need_k, 0)
+            top, head, n_cached = take_blocks(take, need, zeros, ks, nb_k, top, head, tail, n_cached,
+                                              block_table_ptr, free_blocks_ptr, blocks, MAXB, BLOCK_J, C, Q, BLOCK_L)  # fmt: skip
             budget -= tl.where(survives, n_star, 0)
             n_k = tl.where(take, n, n_k)
             nb_k = tl.where(take, nb_k + need, nb_k)
-            hi = first_victim - 1
+            hi = tl.where(survives, v, kstar - 1)
             i0 = kstar + 1
         else:
             i0 = hi + 1
     n_preempted = tl.sum(((pre_k != 0) & (offs_s < m)).to(tl.int32), 0)
-    return n_k, nb_k, pre_k, budget, top, n_preempted
+    return n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted
 
 
 @triton.jit
@@ -256,20 +276,24 @@ def write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step):
 
 @triton.jit
 def admit_waiting(
-    budget, top, next_run_order, st, md, m, n_preempted, n_capped, clock,
-    ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, step,
+    budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock,
+    ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
     S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_J: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SLOT: tl.constexpr,
+    BLOCK_J: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr,
+    Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
+    SLOT: tl.constexpr,
 ):  # fmt: skip
     """Admission of waiting slots (Scheduler.schedule phase 3), only in a step whose budget fill
     preempted nothing: the head of the (effective priority, arrival) order while it fits (a sequence
-    slot, budget, blocks for its chunk); when it does not and the last running sequence in running
+    slot, budget, free capacity for its chunk's blocks beyond its cached prefix and for the cached
+    blocks it takes that nobody holds); when it does not and the last running sequence in running
     order is of a strictly lower class, that one is preempted (its chunk of this step taken back) and
     the head tried again. Stops at a head that still does not fit, that this step preempted (class
     cap, admission), or that the class cap holds back (_class_capped). m: running sequences the
-    class cap kept. Admitted slots join the batch after the running ones (written here). Returns (n_k, nb_k, pre_k
-    after its preemptions, stack top, next_run_order, how many it preempted, admitted sequences,
-    their tokens, their sample rows, the sampler variant they need)."""
+    class cap kept. Admitted slots join the batch after the running ones (written here). Returns (n_k,
+    nb_k, pre_k after its preemptions, top, head, tail, n_cached, next_run_order, how many it
+    preempted, (admitted sequences, their tokens, their sample rows, the sampler variant they need),
+    prefix cache tokens looked up and found)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
     waiting = md & (st == SLOT.WAITING)
@@ -279,6 +303,8 @@ def admit_waiting(
     ntot_adm = tl.full([], 0, tl.int32)
     nsamp_adm = tl.full([], 0, tl.int32)
     sampler_index = tl.full([], 0, tl.int32)
+    n_queried = tl.full([], 0, tl.int32)
+    n_hit = tl.full([], 0, tl.int32)
     # Nothing waits, or the budget fill preempted (the common decode step): no slot-wide work below.
     if (n_preempted == 0) & (n_waiting > 0):
         pri_d = tl.load(slots.priority + offs_d, mask=md, other=0)
@@ -290,8 +316,10 @@ def admit_waiting(
         if go:
             arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
             ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
+            nh_d = tl.load(slots.n_hashes + offs_d, mask=md, other=0)
             adm_rank = tl.full([BLOCK_D], -1, tl.int32)
             adm_n = tl.zeros([BLOCK_D], tl.int32)
+            adm_hits = tl.zeros([BLOCK_D], tl.int32)  # blocks of its cached prefix
             adm_need = tl.zeros([BLOCK_D], tl.int32)
             adm_off = tl.zeros([BLOCK_D], tl.int32)
             adm_qs = tl.zeros([BLOCK_D], tl.int32)
@@ -313,16 +341,32 @@ def admit_waiting(
                 w_rem = tl.sum(
                     tl.where(w_is, ntok_d, 0), 0
                 )  # all its tokens: a waiting slot has none computed
-                w_n = tl.minimum(w_rem, budget)
-                w_need = (w_n + BS - 1) // BS
-                room = (m - n_victims + n_new < S) & (budget > 0) & (w_need <= top - popped)
+                w_hits = tl.full([], 0, tl.int32)
+                w_revived = tl.full([], 0, tl.int32)
+                if PBS > 0:  # its cached prefix (Scheduler._cached_prefix)
+                    limit = tl.minimum(tl.sum(tl.where(w_is, nh_d, 0), 0), (w_rem - 1) // BS)
+                    w_hits, w_revived = lookup_prefix(
+                        slots.prefix_hash + w_slot * HSTRIDE, limit, blocks, C, BLOCK_HASH
+                    )
+                w_n = tl.minimum(w_rem - w_hits * BS, budget)
+                w_need = (w_hits * BS + w_n + BS - 1) // BS - w_hits
+                free = top + n_cached - popped
+                room = (m - n_victims + n_new < S) & (budget > 0) & (w_need + w_revived <= free)
                 held = w_again | _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT)
                 w_fits = room & ~held
                 evict = ~held & ~room & (_last_class(ms, pre_k, rp_k, offs_s) > w_pri)
                 w_take = w_is & w_fits
-                w_samples = w_fits & (w_n == w_rem)
+                w_samples = w_fits & (w_hits * BS + w_n == w_rem)
+                if PBS > 0:
+                    if w_fits:  # it takes hold of its cached prefix now, before anything evicts it
+                        acquire_prefix(slots.prefix_hash + w_slot * HSTRIDE, w_hits, w_slot, slots.block_table,
+                                       blocks, MAXB, C, BLOCK_HASH)  # fmt: skip
+                        n_cached -= w_revived
+                        n_queried += w_rem
+                        n_hit += w_hits * BS
                 adm_rank = tl.where(w_take, n_new, adm_rank)
                 adm_n = tl.where(w_take, w_n, adm_n)
+                adm_hits = tl.where(w_take, w_hits, adm_hits)
                 adm_need = tl.where(w_take, w_need, adm_need)
                 adm_off = tl.where(w_take, popped, adm_off)
                 adm_qs = tl.where(w_take, ntot_adm, adm_qs)
@@ -336,22 +380,26 @@ def admit_waiting(
                 n_new += f
                 waiting = waiting & ~w_take
                 go = evict | (w_fits & (tl.sum(waiting.to(tl.int32), 0) > 0))
-                if evict | ~go:  # the admissions' blocks come off the stack before a victim's go on it
+                # The admissions' blocks come off the free list before a victim's go on it, and with
+                # the cache before the next head looks up (its allocation may evict what it would hit).
+                flush = evict | ~go
+                if PBS > 0:
+                    flush = flush | w_fits
+                if flush:
                     tl.debug_barrier()
                     pend = adm_rank >= n_flushed
-                    pop_blocks(pend, adm_need, adm_off, offs_d, tl.zeros([BLOCK_D], tl.int32), top,
-                               slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
-                    top -= popped
+                    top, head, n_cached = take_blocks(
+                        pend, adm_need, adm_off, offs_d, adm_hits, top, head, tail, n_cached, slots.block_table,
+                        free_blocks_ptr, blocks, MAXB, BLOCK_J, C, Q, BLOCK_L,
+                    )  # fmt: skip
                     popped -= popped
                     n_flushed = n_new
                 if evict:
                     v_k = tl.max(tl.where(ms & (pre_k == 0), offs_s, -1), 0)
                     is_v = offs_s == v_k
                     v_slot = tl.sum(tl.where(is_v, ks, 0), 0)
-                    tl.debug_barrier()  # the pops above (and the budget fill's) are done
-                    push_blocks(is_v, nb_k, tl.zeros([BLOCK_S], tl.int32) + top, ks,
-                                slots.block_table, free_blocks_ptr, MAXB, BLOCK_J)  # fmt: skip
-                    top += tl.sum(tl.where(is_v, nb_k, 0), 0)
+                    top, tail, n_cached = release_lanes(is_v, offs_s, ks, nb_k, top, tail, n_cached, slots.block_table,
+                                                        free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
                     budget += tl.sum(tl.where(is_v, n_k, 0), 0)
                     n_k = tl.where(is_v, 0, n_k)
                     nb_k = tl.where(is_v, 0, nb_k)
@@ -359,28 +407,41 @@ def admit_waiting(
                     n_victims += 1
                     victims_d = victims_d | (offs_d == v_slot)
                     eff_d = tl.where(offs_d == v_slot, pri_d.to(tl.int64), eff_d)  # back at its base priority
-            adm = adm_rank >= 0
-            tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.RUNNING, tl.int32), mask=adm)
-            tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
-            tl.store(slots.run_priority + offs_d, adm_eff.to(tl.int32), mask=adm)
-            tl.store(slots.num_computed + offs_d, adm_n, mask=adm)
-            tl.store(slots.num_blocks + offs_d, adm_need, mask=adm)
-            next_run_order += n_new
-            # After the running ones that kept a chunk.
-            sched_k = ms & (n_k > 0)
-            nseq_run = tl.sum(sched_k.to(tl.int32), 0)
-            ntot_run = tl.sum(tl.where(sched_k, n_k, 0), 0)
-            nsamp_run = tl.sum((sched_k & (ncomp_k + n_k == ntok_k)).to(tl.int32), 0)
-            bi_d = nseq_run + adm_rank
-            tl.store(step.step_slot + bi_d, offs_d, mask=adm)
-            tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
-            tl.store(step.query_start + bi_d, ntot_run + adm_qs, mask=adm)
-            tl.store(step.context_lens + bi_d, adm_n, mask=adm)
-            sampler_index = _write_sample_rows(
-                adm_row >= 0, nsamp_run + adm_row, offs_d, (ntot_run + adm_qs + adm_n - 1).to(tl.int64),
-                slots, step,
+            next_run_order, sampler_index = _store_admitted(
+                adm_rank, adm_n, adm_hits, adm_need, adm_qs, adm_row, adm_eff, next_run_order, n_new,
+                ms, ntok_k, ncomp_k, n_k, offs_d, slots, step, BS, SLOT,
             )  # fmt: skip
-    return n_k, nb_k, pre_k, top, next_run_order, n_victims, n_new, ntot_adm, nsamp_adm, sampler_index
+    new = (n_new, ntot_adm, nsamp_adm, sampler_index)
+    return n_k, nb_k, pre_k, top, head, tail, n_cached, next_run_order, n_victims, new, n_queried, n_hit
+
+
+@triton.jit
+def _store_admitted(
+    adm_rank, adm_n, adm_hits, adm_need, adm_qs, adm_row, adm_eff, next_run_order, n_new,
+    ms, ntok_k, ncomp_k, n_k, offs_d, slots, step, BS: tl.constexpr, SLOT: tl.constexpr,
+):  # fmt: skip
+    """The admitted slots' state, and their part of the batch after the running ones that kept a
+    chunk. Returns (next_run_order, the sampler variant their rows need)."""
+    adm = adm_rank >= 0
+    cached = adm_hits * BS
+    tl.store(slots.slot_state + offs_d, tl.full(offs_d.shape, SLOT.RUNNING, tl.int32), mask=adm)
+    tl.store(slots.run_order + offs_d, next_run_order + adm_rank, mask=adm)
+    tl.store(slots.run_priority + offs_d, adm_eff.to(tl.int32), mask=adm)
+    tl.store(slots.num_computed + offs_d, cached + adm_n, mask=adm)
+    tl.store(slots.num_blocks + offs_d, adm_hits + adm_need, mask=adm)
+    sched_k = ms & (n_k > 0)
+    nseq_run = tl.sum(sched_k.to(tl.int32), 0)
+    ntot_run = tl.sum(tl.where(sched_k, n_k, 0), 0)
+    nsamp_run = tl.sum((sched_k & (ncomp_k + n_k == ntok_k)).to(tl.int32), 0)
+    bi_d = nseq_run + adm_rank
+    tl.store(step.step_slot + bi_d, offs_d, mask=adm)
+    tl.store(step.step_chunk + bi_d, adm_n, mask=adm)
+    tl.store(step.query_start + bi_d, ntot_run + adm_qs, mask=adm)
+    tl.store(step.context_lens + bi_d, cached + adm_n, mask=adm)
+    sampler_index = _write_sample_rows(
+        adm_row >= 0, nsamp_run + adm_row, offs_d, (ntot_run + adm_qs + adm_n - 1).to(tl.int64), slots, step
+    )
+    return next_run_order + n_new, sampler_index
 
 
 @triton.jit

@@ -100,8 +100,8 @@ def take_records(
     ring_ptr, snap_ptr, slots,
     OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
     MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
-    LOGPROBS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
-    VOCAB: tl.constexpr,
+    LOGPROBS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, PBS: tl.constexpr,
+    HSTRIDE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_STOP: tl.constexpr, BLOCK_P: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr,
     RECORD: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
@@ -145,11 +145,11 @@ def take_records(
     local, later, stop_m, stop_ids = _check_records(
         recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr, bias_bad,
         ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS, MAX_MODEL_LEN, VOCAB, BLOCK_STOP,
-        ERROR, RECORD,
+        PBS, ERROR, RECORD,
     )  # fmt: skip
     r_slot, r_outcome, arena_tail = _place_records(
         ch_d, arena_tail, free_d, st, md, recs, local, later, arena_head, n_records, ring_ptr, slots,
-        OFF_ARENA, ARENA_TOKENS, MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_P, SLOT, ERROR,
+        OFF_ARENA, ARENA_TOKENS, MAX_MODEL_LEN, VOCAB, PBS, HSTRIDE, BLOCK_D, BLOCK_R, BLOCK_P, SLOT, ERROR,
     )  # fmt: skip
     n_admitted, n_rejected, n_cancelled, n_unaddressable = _fill_record_slots(
         recs, tk, r_slot, r_outcome, stop_m, stop_ids, next_arrival, n_cancelled, engine_seed, slots,
@@ -213,7 +213,8 @@ def _check_records(
     recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr, bias_bad,
     ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr,
     MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
-    VOCAB: tl.constexpr, BLOCK_STOP: tl.constexpr, ERROR: tl.constexpr, RECORD: tl.constexpr,
+    VOCAB: tl.constexpr, BLOCK_STOP: tl.constexpr, PBS: tl.constexpr, ERROR: tl.constexpr,
+    RECORD: tl.constexpr,
 ):  # fmt: skip
     """Checks that need nothing but the record, in engine_server's order: `local` (1 unaddressable,
     2 prompt length, 3 arena range) and `later` (the ErrorCode, or _CANCELLED, of the checks after
@@ -221,11 +222,14 @@ def _check_records(
     arena_tail, prompt tokens) are _place_records'. Also returns the stop ids and their mask."""
     r_off, r_end, r_plen, r_gen = recs.prompt_offset, recs.arena_end, recs.prompt_len, recs.generation
     r_temp, r_top_p, r_min_p = recs.temperature, recs.top_p, recs.min_p
+    r_words = r_plen  # its arena words: the prompt, then its block hashes when the ring has them
+    if PBS > 0:
+        r_words += 4 * (r_plen // PBS)
     local = tl.where(
         (recs.chan >= MAX_INFLIGHT) | (r_gen == 0) | (c_gen != r_gen) | (p_done == r_gen), 1,
         tl.where((r_plen < 1) | (r_plen > MAX_PROMPT), 2,
-        tl.where((r_off < 0) | (r_end != r_off + r_plen) | (r_end > arena_head)
-                 | ((r_off % ARENA_TOKENS) + r_plen > ARENA_TOKENS), 3, 0)),
+        tl.where((r_off < 0) | (r_end != r_off + r_words) | (r_end > arena_head)
+                 | ((r_off % ARENA_TOKENS) + r_words > ARENA_TOKENS), 3, 0)),
     )  # fmt: skip
     jj = tl.arange(0, BLOCK_STOP)
     stop_m = tk[:, None] & (jj[None, :] < tl.minimum(recs.n_stop, MAX_STOP)[:, None])
@@ -319,8 +323,8 @@ def _move_biases(r_slot, r_outcome, tk, n_bias, slots, MAX_BIAS: tl.constexpr, B
 def _place_records(
     ch_d, arena_tail, free_d, st, md, recs, local, later, arena_head, n_records, ring_ptr, slots,
     OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    SLOT: tl.constexpr, ERROR: tl.constexpr,
+    PBS: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, SLOT: tl.constexpr, ERROR: tl.constexpr,
 ):  # fmt: skip
     """One record at a time, in ring order, against the slots as the earlier records left them:
     the lowest free slot, unless the record is unaddressable; its prompt copied into the slot's
@@ -366,6 +370,9 @@ def _place_records(
             bad_token = tl.maximum(bad_token, tl.sum((pm & ((tok < 0) | (tok >= VOCAB))).to(tl.int32), 0))
             tl.store(slots.token_ids + s * MAX_MODEL_LEN + p, tok, mask=pm & (p < MAX_MODEL_LEN))
         code = tl.where((code == 0) & (bad_token > 0), ERROR.TOKEN_OUT_OF_VOCAB, code)
+        if PBS > 0:  # its block hashes follow it in the arena (docs/protocol.md, "Token arena")
+            _copy_hashes(ring_i32, src + 4 * n_copy, tl.where(n_copy > 0, n_copy // PBS, -1), s, slots, HSTRIDE,
+                         BLOCK_P)  # fmt: skip
         code = tl.where(code == 0, tl.sum(tl.where(is_r, later, 0), 0), code)
         taken = (offs_d == s) & ~unaddressable
         free_d = free_d & ~taken
@@ -460,3 +467,15 @@ def _derived_seed(engine_seed, request_id):
     z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
     z = z ^ ((z >> 31) & ((1 << 33) - 1))
     return z & _INT64_MAX
+
+
+@triton.jit
+def _copy_hashes(ring_i32, src, n_hashes, s, slots, HSTRIDE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A prompt's block hashes (4 words each, from byte offset src of the ring) into slot s."""
+    offs_p = tl.arange(0, BLOCK_P)
+    for p0 in range(0, 4 * n_hashes, BLOCK_P):  # none when n_hashes is -1 (nothing to copy)
+        p = p0 + offs_p
+        pm = p < 4 * n_hashes
+        word = tl.load(ring_i32 + (src + 4 * p) // 4, mask=pm, other=0, volatile=True)
+        tl.store(slots.prefix_hash + s * HSTRIDE + p, word, mask=pm)
+    tl.store(slots.n_hashes + s, n_hashes, mask=n_hashes >= 0)

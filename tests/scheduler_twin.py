@@ -15,7 +15,7 @@ then committed by the twin with the reference's sampled tokens (what commit will
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -119,19 +119,21 @@ class Twin:
         cuda_graph: bool = False,
         rank_tile: int | None = None,
     ) -> None:
-        layout = RingLayout.of(RING)
+        ring = replace(RING, prefix_block_size=loop.block_size) if loop.prefix_cache else RING
+        layout = RingLayout.of(ring)
         self.loop = loop
         self.ref_transport, self.dev_transport = MemoryTransport(layout.size), MemoryTransport(layout.size)
-        self.ref_region = RingRegion.create(self.ref_transport, RING)
-        self.dev_region = RingRegion.create(self.dev_transport, RING)
+        self.ref_region = RingRegion.create(self.ref_transport, ring)
+        self.dev_region = RingRegion.create(self.dev_transport, ring)
         self.front = TwinFrontEnd([self.ref_region, self.dev_region])
         config = EngineConfig(
             block_size=loop.block_size, num_kv_blocks=loop.num_kv_blocks, max_num_seqs=loop.max_num_seqs,
             max_num_batched_tokens=loop.max_num_batched_tokens, max_model_len=loop.max_model_len, seed=7,
             priority_aging_steps=loop.priority_aging_steps, lower_class_limit=loop.lower_class_limit,
+            prefix_cache=loop.prefix_cache,
         )  # fmt: skip
         self.engine = LLMEngine(tiny_model(), config)
-        self.server = EngineServer(self.engine, self.ref_transport, RING)
+        self.server = EngineServer(self.engine, self.ref_transport, ring)
         self._captured: RefStep | None = None
         run = self.engine.runner.run
 
@@ -333,12 +335,20 @@ class Twin:
             if self.check_slot_is_channel:
                 assert int(s.chan[i]) == i, "test premise: slots and channels are both taken lowest-first"
         top = int(s.free_top)
-        assert s.free_blocks[:top].tolist() == self.engine.allocator._free, "free list (LIFO order included)"
+        allocator = self.engine.allocator
+        assert s.free_blocks[:top].tolist() == allocator._free, "free list (LIFO order included)"
+        assert s.block_ref.tolist() == allocator._ref, "holders of each block"
+        assert self.state.lru_order() == list(allocator._cached), "cached blocks nobody holds, in LRU order"
+        table = {i: b for i, b in enumerate(s.cache_table.tolist()) if b >= 0}
+        assert table == allocator._table, "the prefix cache's table"
+        assert not self.state.problems()
         counters = s.counters.tolist()
         assert counters[COUNTER_INDEX["preemptions"]] == sched.num_preemptions
         assert counters[COUNTER_INDEX["steps"]] == sched.clock, "aging's step clock"
         for name in ("requests_admitted", "requests_rejected", "requests_cancelled", "records_unaddressable"):
             assert counters[COUNTER_INDEX[name]] == self.server._counters[name], name
+        assert counters[COUNTER_INDEX["prefix_cache_queries"]] == sched.prefix_queries
+        assert counters[COUNTER_INDEX["prefix_cache_hits"]] == sched.prefix_hits
         for word in ("req_tail", "arena_tail"):
             assert self.dev_region.load(word) == self.ref_region.load(word), word
         assert int(s.num_active) == sum(1 for x in s.slot_state.tolist() if x != SlotState.FREE)
@@ -371,8 +381,16 @@ class Twin:
         """Release the slot's blocks (BlockAllocator.free order), publish `done`, mark it FREE."""
         s = self.state
         nb, top = int(s.num_blocks[i]), int(s.free_top)
-        s.free_blocks[top : top + nb] = s.block_table[i, :nb].flip(0)
-        s.free_top[0] = top + nb
+        head, tail, live = s.lru_words.tolist()
+        for b in s.block_table[i, :nb].flip(0).tolist():  # kernels/prefix_cache.py release_one
+            s.block_ref[b] -= 1
+            if s.block_ref[b] == 0 and s.block_cached[b]:
+                s.lru[tail % s.lru.numel()], s.lru_pos[b] = b, tail
+                tail, live = tail + 1, live + 1
+            elif s.block_ref[b] == 0:
+                s.free_blocks[top], top = b, top + 1
+        s.free_top[0] = top
+        s.lru_words[1], s.lru_words[2] = tail, live
         s.block_table[i] = -1
         s.num_blocks[i] = 0
         chan = int(self.state.chan[i])

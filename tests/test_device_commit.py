@@ -91,6 +91,7 @@ def take_blocks(state: DeviceState, n: int) -> list[int]:
     top = int(state.free_top[0])
     blocks = state.free_blocks[top - n : top].flip(0).tolist()
     state.free_top[0] = top - n
+    state.block_ref[blocks] = 1  # one holder each, as schedule's pops leave them
     return blocks
 
 

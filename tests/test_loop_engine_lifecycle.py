@@ -129,9 +129,9 @@ def test_telemetry_values_from_a_loop_snapshot():
     counters[COUNTER_INDEX["last_step_ns"]] = 1_500_000
     slots = [SlotState.RUNNING, SlotState.WAITING, SlotState.RUNNING, SlotState.FREE]
     step_times = list(range(len(STEP_TIME_FIELDS)))
-    values = telemetry_values(counters, slots, free_top=10, num_kv_blocks=16, step_times=step_times)
+    values = telemetry_values(counters, slots, free_top=10, num_kv_blocks=16, step_times=step_times, cached=4)
     assert (values["running"], values["waiting"]) == (2, 1)
-    assert (values["kv_blocks_used"], values["kv_blocks_total"]) == (6, 16)
+    assert (values["kv_blocks_used"], values["kv_blocks_total"], values["kv_blocks_cached"]) == (2, 16, 4)
     assert (values["generated_tokens"], values["steps"], values["requests_cancelled"]) == (77, 9, 2)
     assert "step_tokens" not in values  # a loop counter the ring's telemetry has no word for
     assert values["last_step_ns"] == 1_500_000
@@ -144,10 +144,11 @@ def test_snapshot_copies_counters_slots_and_free_top():
     state.slot_state[1] = SlotState.WAITING
     state.free_top.fill_(3)
     state.step_time_hist[2] = 7
+    state.lru_words[2] = 2
     snap = LoopSnapshot(state)
-    counters, slots, free_top, step_times = snap.read()
+    counters, slots, free_top, step_times, cached = snap.read()
     assert counters[COUNTER_INDEX["loop_iterations"]] == 5 and slots[1] == SlotState.WAITING and free_top == 3
-    assert step_times[2] == 7 and sum(step_times) == 7
+    assert step_times[2] == 7 and sum(step_times) == 7 and cached == 2
     state.free_top.fill_(4)
     assert snap.read()[2] == 4  # a fresh copy each time
 

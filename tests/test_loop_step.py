@@ -186,16 +186,16 @@ async def serve(rig: LoopRig, client: EngineClient, workload) -> tuple[dict, int
 
 
 async def run_workload(
-    workload, *, target: str = "cpu", geometry: LoopGeometry = GEOMETRY
+    workload, *, target: str = "cpu", geometry: LoopGeometry = GEOMETRY, ring: RingGeometry = RING
 ) -> tuple[dict, LoopStep, int]:
     """`target`: "cpu" (ReferenceStepForward), "cpu-real" (the interpreted GpuForward), "cuda-host"
     or "cuda-loop" (the real forward on the GPU, host-driven or in the device loop)."""
     if target == "cpu":
-        rig = LoopRig.build(RING, geometry, forward=ReferenceStepForward(geometry))
+        rig = LoopRig.build(ring, geometry, forward=ReferenceStepForward(geometry))
     else:
         device = "cpu" if target == "cpu-real" else "cuda"
         rig = LoopRig.build(
-            RING, geometry, checkpoint=checkpoint(), device=device, in_loop=target == "cuda-loop"
+            ring, geometry, checkpoint=checkpoint(), device=device, in_loop=target == "cuda-loop"
         )
     try:
         rig.start()
@@ -257,6 +257,38 @@ async def test_loop_streams_equal_the_reference_engine(target):
     assert int(counters[COUNTER_INDEX["requests_finished"]]) == len(workload)
     assert int(loop.state.num_active[0]) == 0
     assert int(loop.state.free_top[0]) == GEOMETRY.num_kv_blocks  # every block came back
+
+
+SHARED = prompt(2, 21)  # 5 full blocks of 4
+PREFIX_WORKLOAD = [
+    ("first", 0, SHARED, greedy(6)),
+    ("again", 4, SHARED, greedy(6)),  # after first's prefill: its 5 blocks cached (the last is fed again)
+    ("longer", 5, SHARED + prompt(9, 6), greedy(5)),  # 5 blocks cached, the rest prefilled
+    ("shorter", 6, SHARED[:10], greedy(4)),  # 2 blocks cached
+    ("other", 6, prompt(8, 13), greedy(8)),  # nothing cached; blocks run short: preemption, eviction
+]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+async def test_loop_with_the_prefix_cache_streams_what_the_reference_streams_alone(target):
+    """Prompts that share a prefix, on a loop that caches prefixes (the ring carries block hashes):
+    every stream equals the reference engine's for that request alone, without the cache; the hits
+    are counted; every block is free or cached at the end."""
+    if target.startswith("cuda") and not HAVE_GPU_STACK:
+        pytest.skip("needs cupy and cuda-bindings (the GPU extra)")
+    model = build_model(checkpoint(), torch.float32, "cpu")
+    want = {
+        name: LLMEngine(model, EngineConfig(seed=0, **ENGINE)).generate([Request(0, tokens, params)])[0]
+        for name, _, tokens, params in PREFIX_WORKLOAD
+    }
+    geometry = dataclasses.replace(GEOMETRY, prefix_cache=True)
+    ring = dataclasses.replace(RING, prefix_block_size=GEOMETRY.block_size)
+    streams, loop, _ = await run_workload(PREFIX_WORKLOAD, target=target, geometry=geometry, ring=ring)
+    tokens = {name: [e.token_id for e in ev if e.token_id is not None] for name, ev in streams.items()}
+    assert tokens == want
+    counters = loop.state.counters
+    assert int(counters[COUNTER_INDEX["prefix_cache_hits"]]) >= 4 * 5, "again found first's 5 blocks"
+    assert int(loop.state.free_top[0]) + int(loop.state.lru_words[2]) == GEOMETRY.num_kv_blocks
 
 
 LOGPROB_WORKLOAD = [
@@ -417,6 +449,7 @@ def test_state_problems_name_a_double_release_a_leak_and_shared_run_orders():
     assert state.problems() == []
     state.block_table[5, :2] = torch.tensor([7, 8], dtype=torch.int32)  # taken off the stack below
     state.num_blocks[5] = 2
+    state.block_ref[[7, 8]] = 1
     state.slot_state[5] = SlotState.RUNNING
     state.free_top[0] = WIDE.num_kv_blocks - 2
     state.free_blocks[: WIDE.num_kv_blocks - 2] = torch.tensor(
@@ -425,7 +458,7 @@ def test_state_problems_name_a_double_release_a_leak_and_shared_run_orders():
     assert state.problems() == []
     state.free_blocks[WIDE.num_kv_blocks - 2] = 7  # released again: pushed while still in the table
     state.free_top[0] += 1
-    assert "held twice e.g. [7]" in state.problems()[0]
+    assert "twice e.g. [7]" in state.problems()[0]
     state.free_top[0] = WIDE.num_kv_blocks + 1
     assert state.problems() == [f"free_top {WIDE.num_kv_blocks + 1} outside [0, {WIDE.num_kv_blocks}]"]
     state.free_top[0] = WIDE.num_kv_blocks - 3  # one block neither free nor held
@@ -436,6 +469,15 @@ def test_state_problems_name_a_double_release_a_leak_and_shared_run_orders():
     state.slot_state[5] = state.slot_state[9] = SlotState.RUNNING
     state.run_order[5] = state.run_order[9] = 3  # the schedule ranks RUNNING slots by run order
     assert state.problems() == ["RUNNING slots share run orders, e.g. [3]"]
+    state.run_order[9] = 4
+    state.block_ref[8] = 2  # a holder the tables do not show
+    assert state.problems() == ["holder counts differ from the tables, e.g. blocks [8]"]
+    state.block_ref[8] = 1
+    state.block_cached[8] = 1  # cached, but not in the table
+    assert state.problems() == [
+        "cache table names [8] wrongly",
+        "cached block 8 is not at its hash's table entry",
+    ]
 
 
 def test_build_takes_the_gemm_plan_the_profile_asks_for():

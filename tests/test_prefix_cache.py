@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from blink_appliance.engine.reference.block_allocator import BlockAllocator, cache_table_size
-from blink_appliance.wire.prefix_hash import block_hashes, hash_values, prompt_words
+from blink_appliance.engine.reference.block_allocator import BlockAllocator
+from blink_appliance.wire.prefix_hash import block_hashes, cache_table_size, hash_values, prompt_words
 from blink_appliance.wire.request import Request, SamplingParams
 from tests.test_engine import GREEDY, engine
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink_appliance.engine.loop.state import LoopGeometry
+from blink_appliance.wire.prefix_hash import arena_words
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import SamplingParams
 from blink_appliance.wire.ring_layout import RingGeometry
@@ -97,12 +98,13 @@ class TwinFrontEnd:
         request_id: int | None = None,
     ) -> Submitted:
         params = params or SamplingParams(temperature=0.0, max_tokens=4)
-        g = RING
+        g = self.regions[0].geometry
         n = len(prompt)
+        words = arena_words(prompt, g.prefix_block_size)  # its block hashes follow when the ring has them
         position = self.arena_head
-        if position % g.arena_tokens + n > g.arena_tokens:
+        if position % g.arena_tokens + words.size > g.arena_tokens:
             position += g.arena_tokens - position % g.arena_tokens
-        end = position + n
+        end = position + words.size
         chan = self.free_channel()
         rid = self.next_id if request_id is None else request_id
         self.next_id += 1
@@ -113,7 +115,7 @@ class TwinFrontEnd:
             r.clear_status(chan)
             r.store_ctl(chan, "request_id", rid)
             r.store_ctl(chan, "generation", generation)
-            r.write_prompt(position, np.asarray(prompt, dtype="<i4"))
+            r.write_prompt(position, words)
             r.store("arena_head", end)
             rec = r.request_record((rid, generation, chan, priority), (position, end, n), params)
             for name, value in (record or {}).items():

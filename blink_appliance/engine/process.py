@@ -98,7 +98,7 @@ def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None
             eos_token_ids=tuple(model.config.eos_token_ids),
             priority_aging_steps=profile.engine.priority_aging_steps,
             lower_class_limit=profile.engine.lower_class_limit,
-            prefix_cache=profile.prefix_cache_of(index),
+            prefix_cache=profile.engine.prefix_cache,
         ),
     )
     transport = ShmTransport.open(region_name(profile, index))

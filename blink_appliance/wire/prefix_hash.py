@@ -42,6 +42,11 @@ def arena_words(prompt: np.ndarray | list[int], block_size: int) -> np.ndarray:
     return np.concatenate([tokens, block_hashes(tokens, block_size)]) if block_size else tokens
 
 
+def cache_table_size(num_blocks: int) -> int:
+    """Entries of an engine's prefix cache table: the power of two at or above 2 * num_blocks."""
+    return 1 << max(1, (2 * num_blocks - 1).bit_length())
+
+
 def prompt_words(prompt_len: int, block_size: int) -> int:
     """Arena words of a prompt and its block hashes (none when block_size is 0: the cache is off)."""
     return prompt_len + (HASH_WORDS * (prompt_len // block_size) if block_size else 0)

@@ -35,7 +35,8 @@ NUM_WARPS = 4  # the commit program is one CTA of this many warps
 _STATE_TENSORS = (
     "sample_slot", "sampled", "slot_state", "chan", "generation", "prompt_len", "num_tokens", "max_tokens",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
-    "error_code", "free_blocks", "free_top", "num_active", "shutdown_seen", "keep_running",
+    "error_code", "free_blocks", "free_top", "block_ref", "block_cached", "block_key", "cache_table", "lru",
+    "lru_pos", "lru_words", "evicted", "num_active", "shutdown_seen", "keep_running",
     "clock_offset_ns", "counters", "step_start_ns", "step_num_tokens", "step_time_hist",
 )  # fmt: skip
 
@@ -93,6 +94,7 @@ class DeviceCommit:
             BLOCK_B=min(64, triton.next_power_of_2(g.max_blocks_per_seq)),
             NUM_STEP_BUCKETS=len(STEP_TIME_BOUNDS_US) + 1,
             BLOCK_H=triton.next_power_of_2(len(STEP_TIME_BOUNDS_US) + 1),
+            Q=g.lru_capacity,
             SLOT=kernel_args.SLOT_STATES,
             FINISH=kernel_args.FINISH_REASONS,
             COUNTER=kernel_args.COMMIT_COUNTERS,

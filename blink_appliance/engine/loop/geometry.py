@@ -32,6 +32,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         eos_token_ids=eos,
         priority_aging_steps=profile.engine.priority_aging_steps,
         lower_class_limit=profile.engine.lower_class_limit,
+        prefix_cache=profile.engine.prefix_cache,
     )
     try:
         geometry.validate()  # parse_profile and resolve_plan checked each rule already, naming keys

@@ -27,6 +27,8 @@ TOKEN_TILE = 64  # forward rows written per tile
 BLOCK_TILE = 4  # KV blocks moved per slot per tile (pushes and pops)
 RANK_TILE = 32  # running sequences compared per tile when they are put in run order
 BIAS_TILE = 64  # logit_bias entries copied per load
+LRU_TILE = 64  # LRU entries read per pass when evicting or compacting (kernels/prefix_cache.py)
+HASH_TILE = 32  # prompt block hashes looked up or registered per pass
 
 # The DeviceState and StepInputs tensors schedule_kernel takes, each as `<name>_ptr`.
 _STATE_TENSORS = (
@@ -35,7 +37,9 @@ _STATE_TENSORS = (
     "num_tokens", "num_computed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
     "error_code", "lp_top_n", "lp_offset", "penalized", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "n_bias", "bias_ids", "bias_values", "free_blocks", "free_top", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
+    "repetition_penalty", "n_bias", "bias_ids", "bias_values", "free_blocks", "free_top", "block_ref",
+    "block_cached", "block_key", "cache_table", "lru", "lru_pos", "lru_words", "evicted", "n_hashes",
+    "prefix_hash", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
     "bucket_index", "sampler_index", "num_sample_rows", "row_temperature", "row_top_k", "row_top_p", "row_min_p", "row_seed",
     "row_output_index", "num_active", "shutdown_seen", "next_arrival", "next_run_order", "counters",
     "step_start_ns", "clock_offset_ns",
@@ -110,6 +114,8 @@ class DeviceScheduler:
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
             LOGPROBS=kernel_args.logprob_area(rg), MAX_BIAS=max(rg.max_logit_bias, 1), BIAS_TILE=BIAS_TILE,
+            PBS=rg.prefix_block_size, C=state.cache_table.numel(), Q=g.lru_capacity,
+            HSTRIDE=state.prefix_hash.shape[1] if g.prefix_cache else 0, BLOCK_L=LRU_TILE, BLOCK_HASH=HASH_TILE,
             OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,
             OFF_CTL=layout.chan_ctl, OFF_PROG=layout.chan_prog,
             BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_S1=_pow2(g.max_num_seqs + 1),
@@ -153,10 +159,11 @@ class DeviceScheduler:
             raise ValueError(
                 f"ring max_logit_bias ({rg.max_logit_bias}) differs from the loop's ({g.max_logit_bias})"
             )
-        if rg.prefix_block_size:
+        want = g.block_size if g.prefix_cache else 0
+        if rg.prefix_block_size != want:
             raise ValueError(
-                f"ring carries prompt block hashes (prefix_block_size {rg.prefix_block_size}): the GPU loop "
-                "does not cache prefixes, its rings must not (profile.py leaves them out for loop models)"
+                f"ring prefix_block_size is {rg.prefix_block_size}, the loop needs {want} (its block size "
+                "when it caches prefixes, else 0: no block hashes)"
             )
         if rg.max_stop_ids != g.max_stop_ids:
             raise ValueError(

@@ -82,13 +82,20 @@ class LoopSnapshot:
     """
 
     def __init__(self, state: DeviceState) -> None:
-        self._sources = (state.counters, state.slot_state, state.free_top, state.step_time_hist)
+        self._sources = (
+            state.counters,
+            state.slot_state,
+            state.free_top,
+            state.step_time_hist,
+            state.lru_words,
+        )
         cuda = state.counters.is_cuda
         self._host = tuple(torch.empty_like(t, device="cpu", pin_memory=cuda) for t in self._sources)
         self._stream = torch.cuda.Stream(state.counters.device) if cuda else None
 
-    def read(self) -> tuple[list[int], list[int], int, list[int]]:
-        """(counters in COUNTERS order, slot states, free_top, steps per step-time bucket)."""
+    def read(self) -> tuple[list[int], list[int], int, list[int], int]:
+        """(counters in COUNTERS order, slot states, free_top, steps per step-time bucket, cached blocks
+        nobody holds)."""
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 for host, source in zip(self._host, self._sources, strict=True):
@@ -97,12 +104,17 @@ class LoopSnapshot:
         else:
             for host, source in zip(self._host, self._sources, strict=True):
                 host.copy_(source)
-        counters, slots, free_top, step_times = self._host
-        return counters.tolist(), slots.tolist(), int(free_top[0]), step_times.tolist()
+        counters, slots, free_top, step_times, lru_words = self._host
+        return counters.tolist(), slots.tolist(), int(free_top[0]), step_times.tolist(), int(lru_words[2])
 
 
 def telemetry_values(
-    counters: list[int], slot_states: list[int], free_top: int, num_kv_blocks: int, step_times: list[int]
+    counters: list[int],
+    slot_states: list[int],
+    free_top: int,
+    num_kv_blocks: int,
+    step_times: list[int],
+    cached: int = 0,
 ) -> dict[str, int]:
     """The ring's telemetry words (ring_layout.TELEMETRY_FIELDS) from a loop snapshot; last_step_ns and
     the step-time histogram are the device's own (schedule start to commit), in both modes."""
@@ -110,8 +122,8 @@ def telemetry_values(
     values["running"] = sum(1 for s in slot_states if s == SlotState.RUNNING)
     values["waiting"] = sum(1 for s in slot_states if s == SlotState.WAITING)
     values["kv_blocks_total"] = num_kv_blocks
-    values["kv_blocks_used"] = num_kv_blocks - free_top
-    values["kv_blocks_cached"] = 0  # the loop does not cache prefixes (profile.py refuses it)
+    values["kv_blocks_used"] = num_kv_blocks - free_top - cached
+    values["kv_blocks_cached"] = cached
     values.update(zip(STEP_TIME_FIELDS, step_times, strict=True))
     return values
 
@@ -329,8 +341,8 @@ class LoopEngineServer:
 
     # -- telemetry ------------------------------------------------------------------------------------
     def _telemetry_values(self) -> dict[str, int]:
-        counters, slots, free_top, step_times = self.snapshot.read()
-        return telemetry_values(counters, slots, free_top, self.geometry.num_kv_blocks, step_times)
+        counters, slots, free_top, step_times, cached = self.snapshot.read()
+        return telemetry_values(counters, slots, free_top, self.geometry.num_kv_blocks, step_times, cached)
 
 
 def build_loop_server(

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from blink_appliance.wire.prefix_hash import cache_table_size
 from blink_appliance.wire.request import MAX_LOGIT_BIAS
 from blink_appliance.wire.ring_layout import ENGINE_COUNTER_FIELDS, STEP_TIME_FIELDS
 
@@ -66,10 +67,17 @@ class LoopGeometry:
     priority_aging_steps: int = 0  # a waiting slot gains one priority level per this many steps; 0: off
     lower_class_limit: int = 0  # running slots below the most urgent running class, at most; 0: no cap
     max_logit_bias: int = MAX_LOGIT_BIAS  # = RingGeometry.max_logit_bias
+    prefix_cache: bool = False  # admissions reuse cached prompt blocks (the ring carries block hashes)
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def lru_capacity(self) -> int:
+        """Entries of the LRU ring: live ones (at most every block) plus dead ones, compacted once
+        they pass half of it (kernels/prefix_cache.py)."""
+        return 4 * self.num_kv_blocks
 
     def validate(self) -> None:
         if list(self.buckets) != sorted(set(self.buckets)) or not self.buckets or self.buckets[0] < 1:
@@ -137,9 +145,19 @@ class DeviceState:
     bias_ids: torch.Tensor  # [D, max_logit_bias]
     bias_values: torch.Tensor  # [D, max_logit_bias] float32
 
-    # -- KV block free list (a stack) -------------------------------------------------------------
-    free_blocks: torch.Tensor  # [num_kv_blocks]; entries [0, free_top) are free block ids
+    # -- KV blocks: the free stack, holders, the prefix cache (kernels/prefix_cache.py) ---------------
+    free_blocks: torch.Tensor  # [num_kv_blocks]; entries [0, free_top) are empty block ids
     free_top: torch.Tensor  # [1]
+    block_ref: torch.Tensor  # [num_kv_blocks]: slots whose tables hold the block
+    block_cached: torch.Tensor  # [num_kv_blocks]: 1 while registered in cache_table
+    block_key: torch.Tensor  # [num_kv_blocks * 4]: the hash words it is registered under
+    cache_table: torch.Tensor  # [cache_table_size(num_kv_blocks)]: block, -1 empty; by the hash's low bits
+    lru: torch.Tensor  # [lru_capacity]: cached blocks nobody holds, least recently released first
+    lru_pos: torch.Tensor  # [num_kv_blocks] int64: the absolute LRU position of the block's latest entry
+    lru_words: torch.Tensor  # [3] int64: LRU head, tail (absolute positions), live entries
+    evicted: torch.Tensor  # [num_kv_blocks]: schedule's scratch, the blocks one allocation evicts
+    n_hashes: torch.Tensor  # [D]: block hashes of the slot's prompt (0: looks nothing up)
+    prefix_hash: torch.Tensor  # [D, max_blocks_per_seq * 4] with the cache, else [1, 4]: those hashes
 
     # -- this step, written by schedule -----------------------------------------------------------
     step_slot: torch.Tensor  # [S]: slot of batch sequence s, -1 unused (GpuForward.inputs order)
@@ -198,6 +216,10 @@ class DeviceState:
             # Popping from the top hands out low block ids first, like the reference allocator.
             free_blocks=torch.arange(g.num_kv_blocks - 1, -1, -1, dtype=torch.int32, device=device),
             free_top=i32(1, fill=g.num_kv_blocks),
+            block_ref=i32(g.num_kv_blocks), block_cached=i32(g.num_kv_blocks), block_key=i32(4 * g.num_kv_blocks),
+            cache_table=i32(cache_table_size(g.num_kv_blocks), fill=-1), lru=i32(g.lru_capacity),
+            lru_pos=i64(g.num_kv_blocks, fill=-1), lru_words=i64(3), evicted=i32(g.num_kv_blocks),
+            n_hashes=i32(D), prefix_hash=i32(D, 4 * g.max_blocks_per_seq) if g.prefix_cache else i32(1, 4),
             step_slot=i32(S, fill=-1), step_chunk=i32(S), sample_slot=i32(S, fill=-1),
             step_num_tokens=i32(1), bucket_index=i32(1, fill=len(g.buckets)), sampler_index=i32(1),
             num_sample_rows=i32(1),
@@ -212,26 +234,38 @@ class DeviceState:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def lru_order(self) -> list[int]:
+        """The cached blocks nobody holds, least recently released first (a sync; for tests)."""
+        head, tail, _ = self.lru_words.cpu().tolist()
+        lru, pos = self.lru.cpu(), self.lru_pos.cpu()
+        ref, cached = self.block_ref.cpu(), self.block_cached.cpu()
+        order = []
+        for p in range(head, tail):
+            b = int(lru[p % lru.numel()])
+            if ref[b] == 0 and cached[b] and pos[b] == p:
+                order.append(b)
+        return order
+
     def problems(self) -> list[str]:
-        """What is wrong with the loop's bookkeeping, read back to the host (a sync): the free stack
-        [0, free_top) and the tables of the slots holding blocks must hold every block id exactly
-        once, a FREE or WAITING slot holds none, and RUNNING slots have distinct run orders (the
-        schedule ranks them by (run_priority, run_order)). Empty when consistent; for tests and stress checks between
-        iterations, never on the token path."""
+        """What is wrong with the loop's bookkeeping, read back to the host (a sync): every block is
+        held (its holder count the tables that hold it), or on the free stack [0, free_top), or a live
+        LRU entry, exactly once; cached blocks and the cache table agree; a FREE or WAITING slot holds
+        none, and RUNNING slots have distinct run orders (the schedule ranks them by (run_priority,
+        run_order)). Empty when consistent; for tests and stress checks between iterations, never on
+        the token path."""
         n = self.free_blocks.numel()
         top = int(self.free_top[0])
         if not 0 <= top <= n:
             return [f"free_top {top} outside [0, {n}]"]
-        held = self.num_blocks.cpu()
-        states = self.slot_state.cpu()
+        held, states, tables = self.num_blocks.cpu(), self.slot_state.cpu(), self.block_table.cpu()
         problems = []
-        tables = self.block_table.cpu()
-        ids = self.free_blocks[:top].cpu().tolist()
+        holders = [0] * n
         for s in range(held.numel()):
             k = int(held[s])
             if k and states[s] in (SlotState.FREE, SlotState.WAITING):
                 problems.append(f"slot {s} is {SlotState(int(states[s])).name} but holds {k} blocks")
-            ids += tables[s, :k].tolist()
+            for b in tables[s, :k].tolist():
+                holders[b] += 1
             if (tables[s, k:] != -1).any():
                 problems.append(f"slot {s} has table entries past its {k} blocks")
         running = states == SlotState.RUNNING
@@ -239,6 +273,13 @@ class DeviceState:
         if len(set(orders)) != len(orders):
             twice = sorted({o for o in orders if orders.count(o) > 1})[:8]
             problems.append(f"RUNNING slots share run orders, e.g. {twice}")
+        if holders != self.block_ref.cpu().tolist():
+            wrong = [b for b, h in enumerate(holders) if h != int(self.block_ref[b])][:8]
+            problems.append(f"holder counts differ from the tables, e.g. blocks {wrong}")
+        lru = self.lru_order()
+        if len(lru) != int(self.lru_words[2]):
+            problems.append(f"{len(lru)} live LRU entries, the count word says {int(self.lru_words[2])}")
+        ids = self.free_blocks[:top].cpu().tolist() + lru + [b for b, h in enumerate(holders) if h]
         if sorted(ids) != list(range(n)):
             seen: dict[int, int] = {}
             for b in ids:
@@ -246,8 +287,20 @@ class DeviceState:
             twice = sorted(b for b, c in seen.items() if c > 1)[:8]
             missing = len(set(range(n)) - set(ids))
             problems.append(
-                f"{len(ids)} block ids held for {n} blocks: {missing} missing, held twice e.g. {twice}"
+                f"{len(ids)} block ids held, free or cached for {n} blocks: {missing} missing, twice e.g. {twice}"
             )
+        return problems + self._cache_problems()
+
+    def _cache_problems(self) -> list[str]:
+        """The cache table names exactly the cached blocks, each at its hash's entry."""
+        table, cached, key = self.cache_table.cpu(), self.block_cached.cpu(), self.block_key.cpu()
+        named = {int(b) for b in table.tolist() if b >= 0}
+        flagged = {b for b in range(cached.numel()) if cached[b]}
+        problems = [] if named == flagged else [f"cache table names {sorted(named ^ flagged)[:8]} wrongly"]
+        for b in flagged:
+            if table[int(key[4 * b]) & (table.numel() - 1)] != b:
+                problems.append(f"cached block {b} is not at its hash's table entry")
+                break
         return problems
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from blink_appliance.wire.prefix_hash import cache_table_size
+
 
 @dataclass(frozen=True)
 class BlockUsage:
@@ -35,11 +37,6 @@ class BlockUsage:
     @property
     def fraction_used(self) -> float:
         return self.used / self.total if self.total else 0.0
-
-
-def cache_table_size(num_blocks: int) -> int:
-    """Entries of the prefix cache's table: the power of two at or above 2 * num_blocks."""
-    return 1 << max(1, (2 * num_blocks - 1).bit_length())
 
 
 class BlockAllocator:
