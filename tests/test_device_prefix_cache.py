@@ -97,3 +97,14 @@ def test_lru_compaction_keeps_the_order():
         tails_seen.append(tail - head)
     assert max(tails_seen) <= t.loop.lru_capacity // 2 + 8
     assert min(tails_seen[4:]) < max(tails_seen), "compaction must have run"
+
+
+def test_a_whole_prompt_in_the_cache_still_feeds_its_last_block():
+    """A block-aligned prompt seen before: its last block is computed again (the step that feeds
+    the last token samples), the rest comes from the cache."""
+    t = Twin(CACHED)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    for _ in range(2):
+        t.front.submit(prompt(16, 3), greedy)
+        t.run_until_idle()
+    assert t.state.counters.tolist()[COUNTER_INDEX["prefix_cache_hits"]] == 12  # 3 of its 4 blocks

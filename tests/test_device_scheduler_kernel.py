@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from blink_appliance.kernels import (  # noqa: E402
-    kv_blocks,
+    prefix_cache,
     ring_access,
     schedule_batch,
     schedule_records,
@@ -43,7 +43,7 @@ def test_launch_is_capturable_by_construction():
     for module in (
         schedule_module,
         schedule_batch,
-        kv_blocks,
+        prefix_cache,
         schedule_records,
         schedule_step,
         ring_access,
