@@ -218,6 +218,7 @@ def _services(
             max_output_tokens=geometry.max_output_tokens,
             max_stop_ids=geometry.max_stop_ids,
             default_priority=m.priority,
+            shares_prefixes=geometry.prefix_block_size > 0,
             **dict(
                 zip(
                     ("logprobs_refusal", "prompt_logprobs_refusal"),

@@ -72,6 +72,9 @@ class ServiceLimits:
     # Why this model's engine cannot give logprobs, or the prompt's (None: it can).
     logprobs_refusal: str | None = None
     prompt_logprobs_refusal: str | None = None
+    # The engine caches prompt prefixes (the ring carries block hashes): n > 1 choices then submit
+    # the first one alone and the rest once its prompt is computed, so they share its KV blocks.
+    shares_prefixes: bool = False
 
 
 def effective_priority(base: int, requested: int | None) -> int:

@@ -155,11 +155,34 @@ async def _respond(
 
     async with contextlib.AsyncExitStack() as stack:
         pieces = [await stack.enter_async_context(contextlib.aclosing(service.generate(p))) for p in preps]
-        for choice in pieces:  # admission of every choice (APIError 400/503 while a status can still be sent;
-            await anext(choice)  # leaving closes the ones admitted, which cancels them)
+        await anext(pieces[0])  # admission (APIError 400/503 while a status can still be sent; leaving
+        if n > 1 and service.limits.shares_prefixes:  # closes the ones admitted, which cancels them)
+            # The other choices go in once the first one's prompt is computed: they share its blocks.
+            pieces[0] = await stack.enter_async_context(
+                contextlib.aclosing(await _after_first_piece(pieces[0]))
+            )
+        for choice in pieces[1:]:
+            await anext(choice)
         if not prep.stream:
             return await _whole_response(pieces, whole, use)
         return await _stream_response(request, prep, pieces, chunk, use)
+
+
+async def _after_first_piece(choice: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """Wait for a choice's first piece (its prompt is then computed, and its full blocks are in
+    the engine's prefix cache), and give back the choice with that piece still to come."""
+    try:
+        first = await anext(choice, None)
+    except EngineFailure as e:
+        raise _failure(e) from None
+
+    async def replay() -> AsyncIterator[Piece]:
+        if first is not None:
+            yield first
+        async for piece in choice:
+            yield piece
+
+    return replay()
 
 
 async def _whole_response(

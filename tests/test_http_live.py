@@ -398,3 +398,23 @@ async def test_prefix_cache_reuses_a_repeated_prefix_and_keeps_the_output(live):
     queries, hits = await counted_after(queries0)
     assert queries - queries0 == prompt_tokens
     assert hits - hits0 == (prompt_tokens - 1) // 16 * 16  # every full block but a last one that ends it
+
+
+async def test_n_choices_share_the_prompt_blocks_of_the_first(live):
+    """n > 1 with the prefix cache: the first choice goes in alone, the others once its prompt is
+    computed, so each of them finds its full blocks cached."""
+    prompt = "Write one sentence about the sea, the wind and a small boat leaving the harbour. " * 3
+    queries0, hits0 = await _prefix_counters(live)
+    status, body, _ = await post_json(
+        live, "/v1/completions", completion_request(prompt, max_tokens=4, ignore_eos=True, n=3)
+    )
+    assert status == 200, body
+    assert len({c["text"] for c in body["choices"]}) == 1  # greedy: the same text three times
+    n_prompt = body["usage"]["prompt_tokens"]
+    for _ in range(500):  # the engine writes its telemetry words every 10 ms
+        queries, hits = await _prefix_counters(live)
+        if queries - queries0 >= 3 * n_prompt:
+            break
+        await asyncio.sleep(0.02)
+    assert queries - queries0 == 3 * n_prompt
+    assert hits - hits0 == 2 * ((n_prompt - 1) // 16 * 16)  # the second and third choices
