@@ -146,6 +146,25 @@ def take_blocks(take, count, offset, slot, num_blocks, top, head, tail, n_cached
 
 
 @triton.jit
+def open_lru(lru_words_ptr, blocks, Q: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The LRU's words at a program's start (head, tail, live count), its dead entries squeezed out
+    first once they fill half the ring."""
+    head = tl.load(lru_words_ptr)
+    tail = tl.load(lru_words_ptr + 1)
+    if tail - head > Q // 2:
+        tail = compact_lru(head, tail, blocks, Q, BLOCK_L)
+    return head, tail, tl.load(lru_words_ptr + 2).to(tl.int32)
+
+
+@triton.jit
+def close_lru(lru_words_ptr, head, tail, n_cached):
+    """The LRU's words at a program's end (after its last barrier)."""
+    tl.store(lru_words_ptr, head)
+    tl.store(lru_words_ptr + 1, tail)
+    tl.store(lru_words_ptr + 2, n_cached.to(tl.int64))
+
+
+@triton.jit
 def compact_lru(head, tail, blocks, Q: tl.constexpr, BLOCK_L: tl.constexpr):
     """Squeeze the dead entries out of [head, tail), keeping the live ones in order. Returns the
     new tail."""

@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.prefix_cache import BlockTensors, compact_lru, register_filled, release_lanes
+from blink_appliance.kernels.prefix_cache import BlockTensors, close_lru, open_lru, release_lanes
 from blink_appliance.kernels.ring_access import now_ns
 from blink_appliance.kernels.schedule_batch import build_batch
 from blink_appliance.kernels.schedule_records import read_ring_words, take_records
@@ -197,11 +197,7 @@ def schedule_kernel(
     next_run_order = tl.load(next_run_order_ptr)
     clock = tl.load(counters_ptr + COUNTER.steps)  # steps before this one: aging's clock (read only here)
     table_width = tl.load(scratch_ptr + BLOCK_D + BLOCK_S)  # block-table columns the last forward used
-    lru_head = tl.load(lru_words_ptr)
-    lru_tail = tl.load(lru_words_ptr + 1)
-    n_cached = tl.load(lru_words_ptr + 2).to(tl.int32)
-    if lru_tail - lru_head > Q // 2:  # dead entries (cached blocks taken again) fill the LRU ring: drop them
-        lru_tail = compact_lru(lru_head, lru_tail, blocks, Q, BLOCK_L)
+    lru_head, lru_tail, n_cached = open_lru(lru_words_ptr, blocks, Q, BLOCK_L)
     shutdown, tail, arena_tail, live, addressable, cancel_word, position, rec, seq_word = read_ring_words(
         ring_ptr, snap_ptr, st, ch_d, md, OFF_RECORDS, REC_BYTES, REQ_SLOTS, OFF_CTL, MAX_INFLIGHT,
         BLOCK_R, BLOCK_D, SLOT, CONTROL, CHANNEL, ON_GPU,
@@ -234,22 +230,12 @@ def schedule_kernel(
         )  # fmt: skip
 
         # 3. Records from the ring: the published run starting at req_tail, at most one per free slot.
-        unpublished = (seq_word != position + 1).to(tl.int32)
-        published = tl.sum((tl.cumsum(unpublished, 0) == 0).to(tl.int32), 0)
-        free_d = md & (st == SLOT.FREE)
-        n_records = tl.minimum(published, tl.sum(free_d.to(tl.int32), 0))
-        if n_records > 0:
-            n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = take_records(
-                st, ch_d, free_d, md, tail, arena_tail, rec, n_records, next_arrival, n_cancelled,
-                engine_seed, ring_ptr, snap_ptr, slots,
-                OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS,
-                MAX_BIAS, BIAS_TILE, PBS, HSTRIDE,
-                MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
-                SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
-            )  # fmt: skip
-            # Aging counts from here (a slot taken now waits from this step on).
-            taken = free_d & (st == SLOT.WAITING)
-            tl.store(wait_since_ptr + offs_d, tl.zeros([BLOCK_D], tl.int64) + clock, mask=taken)
+        n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = _take_published(
+            st, ch_d, md, tail, arena_tail, rec, position, seq_word, next_arrival, n_cancelled, clock, engine_seed,
+            ring_ptr, snap_ptr, slots, OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT,
+            MAX_OUTPUT, MAX_STOP, LOGPROBS, MAX_BIAS, BIAS_TILE, PBS, HSTRIDE, MAX_MODEL_LEN, VOCAB, BLOCK_D,
+            BLOCK_R, BLOCK_STOP, BLOCK_P, SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
+        )  # fmt: skip
 
         # 4. The batch: with LIMIT > 0 the running ones of a lower class than the most urgent running
         # one beyond LIMIT are preempted; running sequences in (class, admission) order get their
@@ -262,11 +248,6 @@ def schedule_kernel(
                 LIMIT, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
             )
         )  # fmt: skip
-        if PBS > 0:  # this step's chunks register the prompt blocks they fill (step tables written above)
-            tl.debug_barrier()
-            register_filled(nseq, step.step_slot, step.step_chunk, step.context_lens, slots.n_hashes,
-                            slots.prefix_hash, slots.block_table, blocks, BS, MAXB, C, HSTRIDE, BLOCK_S,
-                            BLOCK_HASH)  # fmt: skip
 
     # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.
     bucket = finish_step_tables(
@@ -285,19 +266,62 @@ def schedule_kernel(
     # 7. Counters, active slots.
     delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried,
                            n_hit, BLOCK_NC, COUNTER)  # fmt: skip
-    offs_c = tl.arange(0, BLOCK_NC)
-    counters = tl.load(counters_ptr + offs_c, mask=offs_c < NUM_COUNTERS, other=0)
-    num_active = tl.sum((md & (st != SLOT.FREE)).to(tl.int32), 0)
-    tl.debug_barrier()  # every warp has read the words below before one thread writes them
-    tl.store(counters_ptr + offs_c, counters + delta, mask=offs_c < NUM_COUNTERS)
-    tl.store(num_active_ptr, num_active)
+    _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS, BLOCK_NC, SLOT)
     tl.store(free_top_ptr, top)
-    tl.store(lru_words_ptr, lru_head)
-    tl.store(lru_words_ptr + 1, lru_tail)
-    tl.store(lru_words_ptr + 2, n_cached.to(tl.int64))
+    close_lru(lru_words_ptr, lru_head, lru_tail, n_cached)
     tl.store(next_arrival_ptr, next_arrival)
     tl.store(next_run_order_ptr, next_run_order)
     tl.store(scratch_ptr + BLOCK_D + BLOCK_S, table_width)
+
+
+@triton.jit
+def _take_published(
+    st, ch_d, md, tail, arena_tail, rec, position, seq_word, next_arrival, n_cancelled, clock, engine_seed,
+    ring_ptr, snap_ptr, slots,
+    OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
+    MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
+    LOGPROBS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, PBS: tl.constexpr,
+    HSTRIDE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_STOP: tl.constexpr, BLOCK_P: tl.constexpr, SLOT: tl.constexpr,
+    FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr, RECORD: tl.constexpr,
+    CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
+):  # fmt: skip
+    """The published records at req_tail, at most one per free slot, taken (take_records); a slot
+    taken now waits from this step on (aging). Returns (admitted, rejected, n_cancelled,
+    unaddressable, next_arrival, the slot states)."""
+    unpublished = (seq_word != position + 1).to(tl.int32)
+    published = tl.sum((tl.cumsum(unpublished, 0) == 0).to(tl.int32), 0)
+    free_d = md & (st == SLOT.FREE)
+    n_records = tl.minimum(published, tl.sum(free_d.to(tl.int32), 0))
+    n_admitted = tl.full([], 0, tl.int32)
+    n_rejected = tl.full([], 0, tl.int32)
+    n_unaddressable = tl.full([], 0, tl.int32)
+    if n_records > 0:
+        n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = take_records(
+            st, ch_d, free_d, md, tail, arena_tail, rec, n_records, next_arrival, n_cancelled,
+            engine_seed, ring_ptr, snap_ptr, slots,
+            OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS,
+            MAX_BIAS, BIAS_TILE, PBS, HSTRIDE,
+            MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
+            SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
+        )  # fmt: skip
+        offs_d = tl.arange(0, BLOCK_D)
+        taken = free_d & (st == SLOT.WAITING)
+        tl.store(slots.wait_since + offs_d, tl.zeros([BLOCK_D], tl.int64) + clock, mask=taken)
+    return n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st
+
+
+@triton.jit
+def _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS: tl.constexpr,
+                  BLOCK_NC: tl.constexpr, SLOT: tl.constexpr):  # fmt: skip
+    """Add this iteration's deltas to the counters and store the active slot count, after a barrier:
+    every warp has read the words the caller stores next."""
+    offs_c = tl.arange(0, BLOCK_NC)
+    counters = tl.load(counters_ptr + offs_c, mask=offs_c < NUM_COUNTERS, other=0)
+    num_active = tl.sum((md & (st != SLOT.FREE)).to(tl.int32), 0)
+    tl.debug_barrier()
+    tl.store(counters_ptr + offs_c, counters + delta, mask=offs_c < NUM_COUNTERS)
+    tl.store(num_active_ptr, num_active)
 
 
 @triton.jit
