@@ -9,8 +9,9 @@ tables and the sample rows.
 Part of the schedule program (kernels/schedule.py): running sequences are put in run order once
 (compaction + a rank over the running ones, through a small scratch buffer) and the budget fill is done in
 vectorized rounds (prefix sums), one round per preemption event, so a step without preemption is
-one round. The sequential part (admissions of waiting slots, and the preemptions they cause) loops
-over registers with masked reductions; global memory is only touched to gather/scatter.
+one round. Admission (kernels/schedule_admit.py) is the sequential part. KV blocks come and go
+through kernels/prefix_cache.py: holders, the free stack, the LRU of cached blocks, and at the end
+the registration of the prompt blocks this step's chunks fill.
 """
 
 from __future__ import annotations
