@@ -138,6 +138,8 @@ def _check_plans(profile: Profile, configs: dict[int, ModelConfig]) -> list[str]
             )
         else:
             print(f"engine {profile.engine_mode_of(i)}: the CPU reference engine")
+        cache = f"on, over prompt blocks of {m.block_size} tokens" if profile.engine.prefix_cache else "off"
+        print(f"prefix cache {cache} ([engine] prefix_cache)")
         if missing is not None:
             print(f"device {m.device}: {missing}")
             what = "the device and the KV cache size" if m.kv_fraction is not None else "the device"

@@ -39,6 +39,7 @@ def test_check_prints_the_resolved_plan(tmp_path, capsys):
     assert "max_seqs       4" in out and "token budget   512" in out
     assert "rings /dev/shm/blink-appliance" in out
     assert "engine reference: the CPU reference engine" in out
+    assert "prefix cache on, over prompt blocks of 16 tokens" in out
 
 
 def test_check_prints_the_loop_geometry_of_a_loop_profile(tmp_path, capsys):
