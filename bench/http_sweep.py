@@ -28,6 +28,7 @@ import shlex
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,13 @@ def prompts(n: int, length: int, output_len: int, vocab: int, rng: random.Random
     return [
         BenchRequest([rng.randrange(3, vocab) for _ in range(length)], length, output_len) for _ in range(n)
     ]
+
+
+def engine_telemetry(url: str) -> dict[str, Any]:
+    """The swept model's engine counters, as the appliance's /telemetry serves them now."""
+    with urllib.request.urlopen(f"{url}/telemetry", timeout=10) as r:
+        snapshot = json.loads(r.read())
+    return next(m["engine"] for m in snapshot["models"] if m["name"] == MODEL_NAME)
 
 
 def request_tpot_s(r: RequestRecord) -> float | None:

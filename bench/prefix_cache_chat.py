@@ -29,7 +29,6 @@ import random
 import shlex
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from bench.http_sweep import (  # noqa: E402
     MODEL_NAME,
     Geometry,
     appliance_server,
+    engine_telemetry,
     model_defaults,
     ms,
     one_geometry_parser,
@@ -56,9 +56,7 @@ def say(message: str) -> None:
 
 
 def engine_counters(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(f"{url}/telemetry", timeout=10) as r:
-        snapshot = json.loads(r.read())
-    engine = next(m["engine"] for m in snapshot["models"] if m["name"] == MODEL_NAME)
+    engine = engine_telemetry(url)
     return {k: int(engine.get(k) or 0) for k in ("prefix_cache_queries", "prefix_cache_hits", "steps")}
 
 

@@ -26,7 +26,6 @@ import random
 import shlex
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from bench.http_sweep import (  # noqa: E402
     MODEL_NAME,
     Geometry,
     appliance_server,
+    engine_telemetry,
     model_defaults,
     ms,
     one_geometry_parser,
@@ -56,10 +56,7 @@ def say(message: str) -> None:
 
 
 def generated_tokens(url: str) -> int:
-    with urllib.request.urlopen(f"{url}/telemetry", timeout=10) as r:
-        snapshot = json.loads(r.read())
-    engine = next(m["engine"] for m in snapshot["models"] if m["name"] == MODEL_NAME)
-    return int(engine["generated_tokens"])
+    return int(engine_telemetry(url)["generated_tokens"])
 
 
 def prompt(args: argparse.Namespace, rng: random.Random, output_len: int) -> BenchRequest:
