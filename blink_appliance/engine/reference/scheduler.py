@@ -220,13 +220,11 @@ class Scheduler:
                 preempted.append(victim)
             if not self._fits(seq, budget):
                 break
-            hits = self._cached_prefix(seq)
-            cached = len(hits) * self.config.block_size
-            n = min(seq.num_tokens - cached, budget)
+            hits, cached, n, need = self._first_chunk(seq, budget)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.allocator.acquire(hits)
-            seq.block_table = hits + self.allocator.allocate(self.blocks_for(cached + n) - len(hits))
+            seq.block_table = hits + self.allocator.allocate(need)
             seq.num_computed_tokens = cached
             if self.config.prefix_cache:
                 self.prefix_queries += seq.num_tokens
@@ -243,10 +241,16 @@ class Scheduler:
         beyond its cached prefix and for the cached blocks it takes that nobody holds."""
         if len(self.running) >= self.config.max_num_seqs or budget <= 0:
             return False
+        hits, _, _, need = self._first_chunk(seq, budget)
+        return self.allocator.can_allocate(need + self.allocator.revived(hits))
+
+    def _first_chunk(self, seq: Sequence, budget: int) -> tuple[list[int], int, int, int]:
+        """A waiting head's first chunk: its cached blocks, the tokens they hold, the tokens it feeds
+        and the blocks it needs beyond the cached ones."""
         hits = self._cached_prefix(seq)
         cached = len(hits) * self.config.block_size
-        need = self.blocks_for(cached + min(seq.num_tokens - cached, budget)) - len(hits)
-        return self.allocator.can_allocate(need + self.allocator.revived(hits))
+        n = min(seq.num_tokens - cached, budget)
+        return hits, cached, n, self.blocks_for(cached + n) - len(hits)
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's KV, requeue it with all its tokens to feed again."""
