@@ -56,7 +56,11 @@ def compile_both(spec: str) -> list[dict]:
     ring = torch.zeros(layout.size, dtype=torch.uint8)
     state = DeviceState.allocate(loop, "cpu")
     inputs = StepInputs.allocate(
-        loop.max_num_batched_tokens, loop.max_num_seqs, loop.max_blocks_per_seq, "cpu"
+        loop.max_num_batched_tokens,
+        loop.max_num_seqs,
+        loop.max_blocks_per_seq,
+        "cpu",
+        loop.prompt_score_chunk,
     )
     sched = DeviceScheduler(loop, state, ring, layout, inputs, 1)
     commit = DeviceCommit(loop, state, ring, layout)

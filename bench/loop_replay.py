@@ -39,7 +39,9 @@ def main() -> None:
     for name, t in state.tensors().items():
         t.copy_(before[name])
     ring = torch.frombuffer(bytearray(saved["ring"]), dtype=torch.uint8)
-    inputs = StepInputs.allocate(g.max_num_batched_tokens, g.max_num_seqs, g.max_blocks_per_seq, "cpu")
+    inputs = StepInputs.allocate(
+        g.max_num_batched_tokens, g.max_num_seqs, g.max_blocks_per_seq, "cpu", g.prompt_score_chunk
+    )
     DeviceScheduler(g, state, ring, RingLayout.of(RING), inputs, engine_seed=7).launch()
     print("schedule on the CPU: step_slot", state.step_slot.tolist())
     state.sampled.copy_(after["sampled"])

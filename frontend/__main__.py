@@ -195,9 +195,7 @@ def _services(
 
     registry = MetricsRegistry()  # one /metrics for every model, told apart by model_name
     services = []
-    for i, (m, link, tokenizer, geometry) in enumerate(
-        zip(models, links, tokenizers, geometries, strict=True)
-    ):
+    for m, link, tokenizer, geometry in zip(models, links, tokenizers, geometries, strict=True):
         client = link.client
         metrics = ServingMetrics(
             m.name,
@@ -219,30 +217,17 @@ def _services(
             max_stop_ids=geometry.max_stop_ids,
             default_priority=m.priority,
             shares_prefixes=geometry.prefix_block_size > 0,
-            **dict(
-                zip(
-                    ("logprobs_refusal", "prompt_logprobs_refusal"),
-                    logprobs_refusals(profile.engine_mode_of(i), geometry.logprob_pairs),
-                    strict=True,
-                )
-            ),
+            logprobs_refusal=logprobs_refusal(geometry.logprob_pairs),
         )
         services.append(CompletionService(client, tokenizer, detokenizer, limits, metrics))
     return ModelRouter(services), telemetry
 
 
-def logprobs_refusals(engine_mode: str, logprob_pairs: int) -> tuple[str | None, str | None]:
-    """Why a model's requests cannot have logprobs, and why not the prompt's (echo with logprobs);
-    None where its engine gives them."""
+def logprobs_refusal(logprob_pairs: int) -> str | None:
+    """Why a model's requests cannot have logprobs (nor the prompt's); None where its engine gives them."""
     if not logprob_pairs:
-        off = "logprobs are off: this appliance's profile sets frontend.logprob_pairs = 0"
-        return off, off
-    if engine_mode != "reference":
-        return None, (
-            f"echo with logprobs (the prompt's logprobs) is not served by the GPU loop yet (engine.mode "
-            f"{engine_mode!r}); the CPU reference engine serves it"
-        )
-    return None, None
+        return "logprobs are off: this appliance's profile sets frontend.logprob_pairs = 0"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

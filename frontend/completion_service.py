@@ -71,7 +71,6 @@ class ServiceLimits:
     default_priority: int = 0
     # Why this model's engine cannot give logprobs, or the prompt's (None: it can).
     logprobs_refusal: str | None = None
-    prompt_logprobs_refusal: str | None = None
     # The engine caches prompt prefixes (the ring carries block hashes): n > 1 choices then submit
     # the first one alone and the rest once its prompt is computed, so they share its KV blocks.
     shares_prefixes: bool = False
@@ -256,8 +255,6 @@ class CompletionService:
             )
         if req.top_n is not None and lim.logprobs_refusal is not None:
             raise bad_request(lim.logprobs_refusal, "logprobs", "unsupported_parameter")
-        if req.top_n is not None and req.echoes and lim.prompt_logprobs_refusal is not None:
-            raise bad_request(lim.prompt_logprobs_refusal, "echo", "unsupported_parameter")
         score_only = max_tokens == 0  # the schema allows it only with echo
         if score_only:
             max_tokens = 1

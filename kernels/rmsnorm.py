@@ -10,7 +10,8 @@ kernel sums them first: the split-K reduction costs no kernel of its own. With x
 already holds the sum (a GEMM added into it) and is only normed. With `rows`, output row r reads
 input row rows[r] (the final norm runs only on the rows that sample); a negative index yields a zero
 row. With `x_rows`, row r reads x row x_rows[r] (the first layer's norm gathers the token embeddings
-itself: no gather kernel).
+itself: no gather kernel). With `rows2` too, the same launch also gathers rows2 into `out2` (the
+final norm's prompt rows that are scored, beside the sample rows), skipping negative entries.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ def _add_rmsnorm_kernel(
     out_ptr,
     rows_ptr,
     x_rows_ptr,
+    rows2_ptr,
+    out2_ptr,
+    n_first,
     hidden,
     x_stride,
     residual_stride,
     out_stride,
+    out2_stride,
     x_part_stride,
     eps,
     X_PARTS: tl.constexpr,  # 0: no x, the residual already holds the sum
@@ -40,6 +45,7 @@ def _add_rmsnorm_kernel(
     WRITE_RESIDUAL: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     HAS_X_ROWS: tl.constexpr,
+    HAS_ROWS2: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -50,11 +56,22 @@ def _add_rmsnorm_kernel(
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if HAS_ROWS:
+    if HAS_ROWS2:
+        first = r < n_first
+        src = tl.where(
+            first,
+            tl.load(rows_ptr + tl.minimum(r, n_first - 1)),
+            tl.load(rows2_ptr + tl.maximum(r - n_first, 0)),
+        )
+    elif HAS_ROWS:
         src = tl.load(rows_ptr + r)
     else:
         src = r.to(tl.int64)
     valid = src >= 0
+    if HAS_ROWS2:  # a second-list row that is unused reads and writes nothing (vector masks: the
+        # interpreter takes no scalar ones)
+        first_v = (cols * 0 + r) < n_first
+        mask = mask & (((cols * 0 + src) >= 0) | first_v)
     src = tl.maximum(src, 0)
     out_dtype = out_ptr.dtype.element_ty
     x_src = tl.load(x_rows_ptr + r).to(tl.int64) if HAS_X_ROWS else src
@@ -75,7 +92,11 @@ def _add_rmsnorm_kernel(
     normed = (xf * rstd).to(out_dtype).to(tl.float32)
     y = normed * w
     y = tl.where(valid, y, 0.0)
-    tl.store(out_ptr + r * out_stride + cols, y.to(out_dtype), mask=mask)
+    if HAS_ROWS2:
+        tl.store(out_ptr + r * out_stride + cols, y.to(out_dtype), mask=mask & first_v)
+        tl.store(out2_ptr + (r - n_first) * out2_stride + cols, y.to(out_dtype), mask=mask & ~first_v)
+    else:
+        tl.store(out_ptr + r * out_stride + cols, y.to(out_dtype), mask=mask)
 
 
 def add_rmsnorm(
@@ -90,6 +111,8 @@ def add_rmsnorm(
     x_parts: int = 1,
     x_rows: torch.Tensor | None = None,
     pdl: bool = False,
+    rows2: torch.Tensor | None = None,
+    out2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[r] = rmsnorm(x[src] (+ residual[src])) * weight, src = rows[r] if rows is given else r.
 
@@ -99,7 +122,8 @@ def add_rmsnorm(
     [x_parts, N, H] partials (contiguous; fp32, or the activations' dtype) summed in fp32 on load.
     x None: the residual already holds the sum (a GEMM accumulated into it); it is normed, not written.
     x_rows: row r reads x[x_rows[r]] (an embedding table gathered by token id) instead of x[src];
-    not with rows or partials.
+    not with rows or partials. rows2, out2 (with rows, without writing the residual): out2[i] is
+    the same of input row rows2[i]; rows2[i] < 0 leaves out2[i] as it was.
     """
     if x is None:
         if residual is None or not residual_in:
@@ -111,24 +135,35 @@ def add_rmsnorm(
         raise ValueError("add_rmsnorm: x_rows gathers plain x rows, without rows or partials")
     if not residual_in and (residual is None or not write_residual):
         raise ValueError("add_rmsnorm: residual_in=False needs a residual to write")
+    if (rows2 is None) != (out2 is None) or (rows2 is not None and (rows is None or write_residual)):
+        raise ValueError(
+            "add_rmsnorm: rows2 and out2 come together, with rows and without writing the residual"
+        )
     hidden = x.shape[-1]
     gather = rows if rows is not None else x_rows
     n_out = gather.shape[0] if gather is not None else x.shape[-2]
     if out.shape[0] < n_out or out.shape[-1] != hidden:
         raise ValueError(f"add_rmsnorm: out {tuple(out.shape)} cannot hold {n_out} rows of {hidden}")
-    if n_out == 0:
+    n_second = rows2.shape[0] if rows2 is not None else 0
+    if n_second and (out2.shape[0] < n_second or out2.shape[-1] != hidden):
+        raise ValueError(f"add_rmsnorm: out2 {tuple(out2.shape)} cannot hold {n_second} rows of {hidden}")
+    if n_out + n_second == 0:
         return out
-    _add_rmsnorm_kernel[(n_out,)](
+    _add_rmsnorm_kernel[(n_out + n_second,)](
         x,
         residual if residual is not None else x,
         weight,
         out,
         rows if rows is not None else x,
         x_rows if x_rows is not None else x,
+        rows2 if n_second else x,
+        out2 if n_second else out,
+        n_out,
         hidden,
         x.stride(-2),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
+        out2.stride(0) if n_second else 0,
         x.stride(0) if x_parts > 1 else 0,
         eps,
         X_PARTS=x_parts,
@@ -137,6 +172,7 @@ def add_rmsnorm(
         WRITE_RESIDUAL=residual is not None and write_residual,
         HAS_ROWS=rows is not None,
         HAS_X_ROWS=x_rows is not None,
+        HAS_ROWS2=n_second > 0,
         BLOCK=triton.next_power_of_2(hidden),
         USE_PDL=pdl,
         num_warps=4 if hidden <= 4096 else 8,

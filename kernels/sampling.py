@@ -36,8 +36,13 @@ SAMPLER_LOGPROBS = 3
 # Added when a row of the step has a penalty or a logit bias: the penalties first (they change the
 # logits the variant and the logprobs read; engine/loop/penalties.py).
 SAMPLER_PENALTIES = 6
+# Added when the step scores prompt positions (prompt logprobs): their logits and logprob rows first
+# (engine/loop/logprobs.py DevicePromptLogprobs), apart from the sample rows.
+SAMPLER_SCORE = 12
 assert (
-    SAMPLER_FULL < SAMPLER_LOGPROBS and SAMPLER_PENALTIES == 2 * SAMPLER_LOGPROBS
+    SAMPLER_FULL < SAMPLER_LOGPROBS
+    and SAMPLER_PENALTIES == 2 * SAMPLER_LOGPROBS
+    and SAMPLER_SCORE == 4 * SAMPLER_LOGPROBS
 )  # the parts combine as bits
 
 

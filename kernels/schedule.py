@@ -87,6 +87,7 @@ class SlotTensors(NamedTuple):
     error_code: tl.tensor
     lp_top_n: tl.tensor
     lp_offset: tl.tensor
+    lp_next: tl.tensor
     penalized: tl.tensor
     presence_penalty: tl.tensor
     frequency_penalty: tl.tensor
@@ -112,6 +113,11 @@ class StepTensors(NamedTuple):
     row_min_p: tl.tensor
     row_seed: tl.tensor
     row_output_index: tl.tensor
+    num_score_rows: tl.tensor
+    score_slot: tl.tensor
+    score_token: tl.tensor
+    score_index: tl.tensor
+    score_temperature: tl.tensor
     input_ids: tl.tensor
     positions: tl.tensor
     slot_mapping: tl.tensor
@@ -119,6 +125,7 @@ class StepTensors(NamedTuple):
     context_lens: tl.tensor
     block_tables: tl.tensor
     sample_rows: tl.tensor
+    score_rows: tl.tensor
 
 
 @triton.jit
@@ -129,17 +136,17 @@ def schedule_kernel(
     run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr, temperature_ptr, top_p_ptr,
     top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr,
     block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr, lp_top_n_ptr, lp_offset_ptr,
-    penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr, repetition_penalty_ptr, n_bias_ptr,
+    lp_next_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr, repetition_penalty_ptr, n_bias_ptr,
     bias_ids_ptr, bias_values_ptr,
     # DeviceState, KV blocks (kernels/prefix_cache.py), step tables, sampling rows, control
     free_blocks_ptr, free_top_ptr, block_ref_ptr, block_cached_ptr, block_key_ptr, cache_table_ptr, lru_ptr,
     lru_pos_ptr, lru_words_ptr, evicted_ptr, n_hashes_ptr, prefix_hash_ptr, step_slot_ptr, step_chunk_ptr, sample_slot_ptr, step_num_tokens_ptr,
     bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr, row_min_p_ptr,
-    row_seed_ptr, row_output_index_ptr, num_active_ptr, shutdown_seen_ptr, next_arrival_ptr,
-    next_run_order_ptr, counters_ptr,
+    row_seed_ptr, row_output_index_ptr, num_score_rows_ptr, score_slot_ptr, score_token_ptr, score_index_ptr,
+    score_temperature_ptr, num_active_ptr, shutdown_seen_ptr, next_arrival_ptr, next_run_order_ptr, counters_ptr,
     # GpuForward.inputs (StepInputs)
     input_ids_ptr, positions_ptr, slot_mapping_ptr, query_start_ptr, context_lens_ptr, block_tables_ptr,
-    sample_rows_ptr,
+    sample_rows_ptr, score_rows_ptr,
     # the scheduler's own: bucket sizes, scratch, seed for requests without one
     buckets_ptr, scratch_ptr, snap_ptr, engine_seed, bias_stage_ids_ptr, bias_stage_values_ptr,
     # the step's start time: %globaltimer + clock_offset_ns on the GPU, else the host clock (interpreter)
@@ -147,7 +154,7 @@ def schedule_kernel(
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
-    NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr,
+    NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr,
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
     MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr,
@@ -160,18 +167,17 @@ def schedule_kernel(
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_STOP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_RANK: tl.constexpr,
-    BLOCK_HASH: tl.constexpr,
+    BLOCK_HASH: tl.constexpr, BLOCK_SCORE: tl.constexpr, ON_GPU: tl.constexpr,  # ON_GPU: inline PTX on the ring and the clock
     # codes and offsets the launcher fills by name (kernels/loop_codes.py)
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, COUNTER: tl.constexpr,
     CONTROL: tl.constexpr, RECORD: tl.constexpr, CHANNEL: tl.constexpr,
-    ON_GPU: tl.constexpr,  # inline PTX on the ring and the clock (compiled for a GPU, not interpreted)
 ):  # fmt: skip
     slots = SlotTensors(  # positionally, in the order of its fields
         slot_state_ptr, chan_ptr, generation_ptr, request_id_ptr, priority_ptr, arrival_ptr, run_order_ptr,
         run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr,
         temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr,
         stop_ids_ptr, token_ids_ptr, block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
-        lp_top_n_ptr, lp_offset_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr,
+        lp_top_n_ptr, lp_offset_ptr, lp_next_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr,
         repetition_penalty_ptr, n_bias_ptr, bias_ids_ptr, bias_values_ptr, bias_stage_ids_ptr,
         bias_stage_values_ptr, n_hashes_ptr, prefix_hash_ptr,
     )  # fmt: skip
@@ -179,8 +185,9 @@ def schedule_kernel(
                           evicted_ptr)  # fmt: skip
     step = StepTensors(  # positionally, in the order of its fields
         step_slot_ptr, step_chunk_ptr, sample_slot_ptr, row_temperature_ptr, row_top_k_ptr, row_top_p_ptr,
-        row_min_p_ptr, row_seed_ptr, row_output_index_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr,
-        query_start_ptr, context_lens_ptr, block_tables_ptr, sample_rows_ptr,
+        row_min_p_ptr, row_seed_ptr, row_output_index_ptr, num_score_rows_ptr, score_slot_ptr, score_token_ptr,
+        score_index_ptr, score_temperature_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, query_start_ptr,
+        context_lens_ptr, block_tables_ptr, sample_rows_ptr, score_rows_ptr,
     )  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < D
@@ -245,7 +252,7 @@ def schedule_kernel(
             build_batch(
                 st, md, top, lru_head, lru_tail, n_cached, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr,
                 slots, blocks, step, S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING,
-                LIMIT, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
+                LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, BLOCK_SCORE, MAX_MODEL_LEN, SLOT,
             )
         )  # fmt: skip
 

@@ -27,24 +27,23 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 @triton.jit
 def admit_waiting(
-    budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock,
+    budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock, scoring,
     ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
     S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_J: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr,
-    Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
+    BLOCK_J: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr, PBS: tl.constexpr,
+    C: tl.constexpr, Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
     SLOT: tl.constexpr,
 ):  # fmt: skip
-    """Admission of waiting slots (Scheduler.schedule phase 3), only in a step whose budget fill
-    preempted nothing: the head of the (effective priority, arrival) order while it fits (a sequence
-    slot, budget, free capacity for its chunk's blocks beyond its cached prefix and for the cached
-    blocks it takes that nobody holds); when it does not and the last running sequence in running
-    order is of a strictly lower class, that one is preempted (its chunk of this step taken back) and
-    the head tried again. Stops at a head that still does not fit, that this step preempted (class
-    cap, admission), or that the class cap holds back (_class_capped). m: running sequences the
-    class cap kept. Admitted slots join the batch after the running ones (written here). Returns (n_k,
-    nb_k, pre_k after its preemptions, top, head, tail, n_cached, next_run_order, how many it
-    preempted, (admitted sequences, their tokens, their sample rows, the sampler variant they need),
-    prefix cache tokens looked up and found)."""
+    """Admission of waiting slots (Scheduler.schedule phases 3 and 6), only in a step whose budget
+    fill preempted nothing: the head of the (effective priority, arrival) order while it fits (a
+    sequence slot, budget, capacity for its chunk's blocks beyond its cached prefix and for the
+    cached blocks it takes that nobody holds); else, if the last running sequence in running order is
+    of a strictly lower class, that one is preempted (its chunk taken back) and the head tried again.
+    Stops at a head that still does not fit, that this step preempted, that the class cap holds back,
+    or that scores its prompt while another sequence does (`scoring`). m: running sequences the class
+    cap kept. Admitted slots join the batch after the running ones. Returns (n_k, nb_k, pre_k, top,
+    head, tail, n_cached, next_run_order, how many it preempted, (admitted sequences, their tokens,
+    their sample rows, the sampler variant they need), prefix cache tokens looked up and found)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
     waiting = md & (st == SLOT.WAITING)
@@ -68,6 +67,10 @@ def admit_waiting(
             arr_d = tl.load(slots.arrival + offs_d, mask=md, other=0)
             ntok_d = tl.load(slots.num_tokens + offs_d, mask=md, other=0)
             nh_d = tl.load(slots.n_hashes + offs_d, mask=md, other=0)
+            scores_d = md & (
+                tl.load(slots.lp_next + offs_d, mask=md, other=0)
+                < tl.load(slots.prompt_len + offs_d, mask=md, other=0)
+            )
             adm_rank = tl.full([BLOCK_D], -1, tl.int32)
             adm_n = tl.zeros([BLOCK_D], tl.int32)
             adm_hits = tl.zeros([BLOCK_D], tl.int32)  # blocks of its cached prefix
@@ -92,18 +95,25 @@ def admit_waiting(
                 w_rem = tl.sum(
                     tl.where(w_is, ntok_d, 0), 0
                 )  # all its tokens: a waiting slot has none computed
+                w_scores = tl.sum((w_is & scores_d).to(tl.int32), 0) > 0
                 w_hits = tl.full([], 0, tl.int32)
                 w_revived = tl.full([], 0, tl.int32)
-                if PBS > 0:  # its cached prefix (Scheduler._cached_prefix)
-                    limit = tl.minimum(tl.sum(tl.where(w_is, nh_d, 0), 0), (w_rem - 1) // BS)
+                if PBS > 0:  # its cached prefix (Scheduler._cached_prefix); none while it scores
+                    limit = tl.where(
+                        w_scores, 0, tl.minimum(tl.sum(tl.where(w_is, nh_d, 0), 0), (w_rem - 1) // BS)
+                    )
                     w_hits, w_revived = lookup_prefix(
                         slots.prefix_hash + w_slot * HSTRIDE, limit, blocks, C, BLOCK_HASH
                     )
-                w_n = tl.minimum(w_rem - w_hits * BS, budget)
+                w_n = tl.minimum(tl.where(w_scores, tl.minimum(w_rem, SCORE), w_rem - w_hits * BS), budget)
                 w_need = (w_hits * BS + w_n + BS - 1) // BS - w_hits
                 free = top + n_cached - popped
                 room = (m - n_victims + n_new < S) & (budget > 0) & (w_need + w_revived <= free)
-                held = w_again | _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT)
+                held = (
+                    w_again
+                    | _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT)
+                    | (scoring & w_scores)
+                )
                 w_fits = room & ~held
                 evict = ~held & ~room & (_last_class(ms, pre_k, rp_k, offs_s) > w_pri)
                 w_take = w_is & w_fits
@@ -129,6 +139,7 @@ def admit_waiting(
                 ntot_adm += w_n * f
                 nsamp_adm += w_samples.to(tl.int32)
                 n_new += f
+                scoring = scoring | (w_fits & w_scores)
                 waiting = waiting & ~w_take
                 go = evict | (w_fits & (tl.sum(waiting.to(tl.int32), 0) > 0))
                 # The admissions' blocks come off the free list before a victim's go on it, and with

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from blink_appliance.kernels.prefix_cache import register_filled, release_lanes, take_blocks
 from blink_appliance.kernels.schedule_admit import admit_waiting, either_sampler, write_sample_rows
+from blink_appliance.kernels.schedule_step import SAMPLER_SCORE, write_score_rows
 
 _INT32_MAX = tl.constexpr(2**31 - 1)
 
@@ -30,8 +31,9 @@ def build_batch(
     blocks, step,
     S: tl.constexpr, MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_RANK: tl.constexpr,
-    AGING: tl.constexpr, LIMIT: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr, Q: tl.constexpr,
-    HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr, SLOT: tl.constexpr,
+    AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr,
+    Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
+    BLOCK_SCORE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
     """The step's batch (Scheduler.schedule): the class cap, running slots in running order get their
     chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
@@ -60,21 +62,25 @@ def build_batch(
         LIMIT,
         SLOT,
     )  # fmt: skip  (m: the running ones it kept, the first m in running order)
+    want_k, scoring = prompt_scorer(m, ks, ntok_k, ncomp_k, offs_s, slots, SCORE, BLOCK_S)
     n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted = fill_budget(
-        top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots, blocks,
-        MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, C, Q, BLOCK_L,
+        top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots,
+        blocks, MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, C, Q, BLOCK_L,
     )  # fmt: skip
     n_k, nb_k, pre_k, top, head, tail, n_cached, next_run_order, n_victims, new, n_queried, n_hit = admit_waiting(
-        budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock,
+        budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock, scoring,
         ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
-        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
+        S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
     )  # fmt: skip
     n_new, ntot_new, nsamp_new, sampler_new = new
     store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT)
     nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
     sampler_index = either_sampler(sampler_index, sampler_new)
+    tl.debug_barrier()  # the step tables above are every thread's to read
+    # The prompt positions the step scores: one sequence's at most (Scheduler phase 6).
+    if write_score_rows(nseq + n_new, offs_s, slots, step, SCORE, MAX_MODEL_LEN, BLOCK_S, BLOCK_SCORE) > 0:
+        sampler_index += SAMPLER_SCORE
     if PBS > 0:  # the step's chunks register the prompt blocks they fill (Scheduler._register_filled)
-        tl.debug_barrier()  # the step tables above are every thread's to read
         register_filled(nseq + n_new, step.step_slot, step.step_chunk, step.context_lens, slots.n_hashes,
                         slots.prefix_hash, slots.block_table, blocks, BS, MAXB, C, HSTRIDE, BLOCK_S,
                         BLOCK_HASH)  # fmt: skip
@@ -135,6 +141,22 @@ def order_running(
 
 
 @triton.jit
+def prompt_scorer(m, ks, ntok_k, ncomp_k, offs_s, slots, SCORE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Scheduler phase 6 over the first m running sequences: the first one prefilling with prompt
+    positions left to score wants at most SCORE tokens, the other such ones none this step. Returns
+    (the tokens each wants, whether one of them scores)."""
+    rem_k = ntok_k - ncomp_k
+    live = offs_s < m
+    scores_k = live & (
+        tl.load(slots.lp_next + ks, mask=live, other=0) < tl.load(slots.prompt_len + ks, mask=live, other=0)
+    )
+    prefilling = scores_k & (rem_k != 1)
+    first = tl.min(tl.where(prefilling, offs_s, BLOCK_S), 0)
+    want_k = tl.where(prefilling, tl.where(offs_s == first, tl.minimum(rem_k, SCORE), 0), rem_k)
+    return want_k, first < BLOCK_S
+
+
+@triton.jit
 def cap_lower_classes(
     m, ms, ks, nb_k, rp_k, top, tail, n_cached, offs_s, free_blocks_ptr, slots, blocks,
     MAXB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr, LIMIT: tl.constexpr,
@@ -164,12 +186,13 @@ def cap_lower_classes(
 
 @triton.jit
 def fill_budget(
-    top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots, blocks,
+    top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots, blocks,
     MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr, C: tl.constexpr, Q: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
     """The budget fill (Scheduler.schedule phases 1-2) of the first m running sequences in run order
     (those the class cap kept), in rounds (store_running stores the outcome once admission is done).
+    want_k: the tokens each prefilling one wants (its uncomputed ones, or fewer: prompt_scorer).
     Returns (each one's chunk, blocks held and preempted flag, the budget left, top, head, tail,
     n_cached, how many it preempted).
 
@@ -191,10 +214,10 @@ def fill_budget(
         dec = act & (rem_k == 1)
         pref = act & (rem_k != 1)
         prefill_budget = budget - tl.sum(dec.to(tl.int32), 0)
-        prem = tl.where(pref, rem_k, 0)
+        prem = tl.where(pref, want_k, 0)
         wanted_before = tl.cumsum(prem, 0) - prem  # by the round's earlier prefills
         n = tl.where(
-            dec, 1, tl.where(pref, tl.minimum(tl.maximum(prefill_budget - wanted_before, 0), rem_k), 0)
+            dec, 1, tl.where(pref, tl.minimum(tl.maximum(prefill_budget - wanted_before, 0), want_k), 0)
         )
         need = tl.where(n > 0, (ncomp_k + n + BS - 1) // BS - nb_k, 0)
         cum_need = tl.cumsum(need, 0)

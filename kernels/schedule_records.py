@@ -48,7 +48,7 @@ class RecordFields(NamedTuple):
     ignore_eos: tl.tensor
     n_stop: tl.tensor
     logprobs: tl.tensor  # 0: none; N + 1 for N alternatives
-    prompt_logprobs: tl.tensor  # the loop scores no prompts: a record asking is refused
+    prompt_logprobs: tl.tensor  # 1: prompt positions 1.. get logprob rows too
     lp_offset: tl.tensor
     presence_penalty: tl.tensor
     frequency_penalty: tl.tensor
@@ -255,11 +255,17 @@ def _check_records(
         | ~(((recs.repetition_penalty > 0.0) & (recs.repetition_penalty <= 2.0)) | (recs.repetition_penalty == 0.0))
         | bias_bad
     )  # fmt: skip
-    # Logprobs (engine_server._decode_logprobs's order): N + 1 in [1, 21] or 0, no prompt scoring
-    # (the loop scores no prompts), then the rows inside the area.
+    # Logprobs (engine_server._decode_logprobs's order): N + 1 in [1, 21] or 0, prompt scoring 0 or 1
+    # and only with N, then the rows (prompt positions', then output tokens') inside the area.
     r_max_tokens = recs.max_tokens
-    lp_bad = (recs.logprobs > LOGPROBS.max_top_n + 1) | (recs.prompt_logprobs != 0)
-    lp_outside = (recs.logprobs > 0) & (recs.lp_offset + r_max_tokens * recs.logprobs > LOGPROBS.pairs)
+    r_prompt_lp = recs.prompt_logprobs
+    lp_bad = (
+        (recs.logprobs > LOGPROBS.max_top_n + 1)
+        | (r_prompt_lp > 1)
+        | ((r_prompt_lp == 1) & (recs.logprobs == 0))
+    )
+    lp_rows = r_max_tokens + tl.where(r_prompt_lp == 1, r_plen - 1, 0)
+    lp_outside = (recs.logprobs > 0) & (recs.lp_offset + lp_rows * recs.logprobs > LOGPROBS.pairs)
     # After the prompt checks: _decode's remaining checks, then the cancel word, then
     # LLMEngine.add_request's length limit.
     later = tl.where(recs.n_stop > MAX_STOP, ERROR.STOP_IDS,
@@ -439,7 +445,12 @@ def _fill_record_slots(
     tl.store(slots.ignore_eos + sl, recs.ignore_eos.to(tl.int32), mask=adm_r)
     tl.store(slots.n_stop + sl, recs.n_stop.to(tl.int32), mask=adm_r)
     tl.store(slots.lp_top_n + sl, (recs.logprobs - 1).to(tl.int32), mask=adm_r)
-    tl.store(slots.lp_offset + sl, recs.lp_offset, mask=adm_r)
+    # Output token i's row is prompt_len - 1 + i when the prompt is scored (ring_layout.output_logprob_row).
+    scored = recs.prompt_logprobs == 1
+    tl.store(
+        slots.lp_offset + sl, recs.lp_offset + tl.where(scored, (r_plen - 1) * recs.logprobs, 0), mask=adm_r
+    )
+    tl.store(slots.lp_next + sl, tl.where(scored, 1, r_plen).to(tl.int32), mask=adm_r)
     repetition = tl.where(recs.repetition_penalty == 0.0, 1.0, recs.repetition_penalty).to(tl.float32)
     presence, frequency = recs.presence_penalty.to(tl.float32), recs.frequency_penalty.to(tl.float32)
     penalized = (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0) | (recs.n_bias > 0)

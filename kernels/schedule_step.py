@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from blink_appliance.kernels import sampling
 
 _INT32_MAX = tl.constexpr(2**31 - 1)
+SAMPLER_SCORE = tl.constexpr(sampling.SAMPLER_SCORE)
 
 
 @triton.jit
@@ -122,3 +124,42 @@ def counter_deltas(
         + tl.where(offs_c == COUNTER.prefix_cache_hits, n_hit.to(tl.int64), 0)
     )
     return delta
+
+
+@triton.jit
+def write_score_rows(
+    nseq, offs_s, slots, step, SCORE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_SCORE: tl.constexpr,
+):  # fmt: skip
+    """The prompt positions p this step scores (model_runner._prompt_positions): those not scored yet
+    whose predicting row p - 1 a chunk feeds, of one sequence at most (Scheduler phase 6). Writes
+    their token rows for the forward's gather, the score rows and the slot's next position; the step
+    tables are written and visible to every thread. Returns how many."""
+    in_b = offs_s < nseq
+    slot = tl.load(step.step_slot + offs_s, mask=in_b, other=0)
+    end = tl.load(step.context_lens + offs_s, mask=in_b, other=0)
+    start = end - tl.load(step.step_chunk + offs_s, mask=in_b, other=0)
+    plen = tl.load(slots.prompt_len + slot, mask=in_b, other=0)
+    lo = tl.maximum(tl.load(slots.lp_next + slot, mask=in_b, other=0), start + 1)
+    hi = tl.minimum(plen, end + 1)
+    scores = in_b & (hi > lo)
+    n = tl.sum(tl.where(scores, hi - lo, 0), 0)
+    s_slot = tl.sum(tl.where(scores, slot, 0), 0)
+    s_lo = tl.sum(tl.where(scores, lo, 0), 0)
+    s_plen = tl.sum(tl.where(scores, plen, 0), 0)
+    s_row = tl.sum(
+        tl.where(scores, tl.load(step.query_start + offs_s, mask=in_b, other=0) + lo - 1 - start, 0), 0
+    )
+    temperature = tl.load(slots.temperature + s_slot)
+    tl.store(slots.lp_next + slot, hi, mask=scores)
+    j = tl.arange(0, BLOCK_SCORE)
+    used = j < n
+    inside = j < SCORE
+    token = tl.load(slots.token_ids + s_slot * MAX_MODEL_LEN + s_lo + j, mask=used, other=0)
+    tl.store(step.score_rows + j, tl.where(used, s_row + j, -1).to(tl.int64), mask=inside)
+    tl.store(step.score_slot + j, tl.where(used, s_slot, -1), mask=inside)
+    tl.store(step.score_token + j, token.to(tl.int64), mask=inside)
+    tl.store(step.score_index + j, (s_lo + j - s_plen).to(tl.int64), mask=inside)
+    tl.store(step.score_temperature + j, tl.zeros([BLOCK_SCORE], tl.float32) + temperature, mask=inside)
+    tl.store(step.num_score_rows, n)
+    return n

@@ -30,6 +30,7 @@ from blink_appliance.kernels.sampling import (  # noqa: E402
     SAMPLER_LOGPROBS,
     SAMPLER_PENALTIES,
     SAMPLER_REJECTION,
+    SAMPLER_SCORE,
 )
 
 from blink_appliance.engine.loop.scheduler import DeviceScheduler  # noqa: E402
@@ -40,7 +41,7 @@ from blink_appliance.engine.loop.state import (  # noqa: E402
     SlotState,
 )
 from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine  # noqa: E402
-from blink_appliance.engine.reference.model_runner import StepOutput  # noqa: E402
+from blink_appliance.engine.reference.model_runner import StepOutput, _prompt_positions  # noqa: E402
 from blink_appliance.engine.reference.rng import row_keys  # noqa: E402
 from blink_appliance.engine.reference.scheduler import SchedulerOutput, build_forward_batch  # noqa: E402
 from blink_appliance.engine.reference.server import EngineServer  # noqa: E402
@@ -69,6 +70,9 @@ class RefStep:
     sampling: list[tuple[int, SamplingParams, int, int]]  # request id, params, seed, output index
     preempted: list[int] = field(default_factory=list)  # request ids, in preemption order
     capped: int = 0  # how many of them the class cap (phase 0) preempted
+    scored: list[tuple[object, int, list[int]]] = field(
+        default_factory=list
+    )  # (sequence, token row, positions)
 
 
 @dataclass
@@ -130,7 +134,7 @@ class Twin:
             block_size=loop.block_size, num_kv_blocks=loop.num_kv_blocks, max_num_seqs=loop.max_num_seqs,
             max_num_batched_tokens=loop.max_num_batched_tokens, max_model_len=loop.max_model_len, seed=7,
             priority_aging_steps=loop.priority_aging_steps, lower_class_limit=loop.lower_class_limit,
-            prefix_cache=loop.prefix_cache,
+            prefix_cache=loop.prefix_cache, prompt_score_chunk=loop.prompt_score_chunk,
         )  # fmt: skip
         self.engine = LLMEngine(tiny_model(), config)
         self.server = EngineServer(self.engine, self.ref_transport, ring)
@@ -144,8 +148,9 @@ class Twin:
         self.engine.runner.run = capture_then_run
         self.state = DeviceState.allocate(loop, DEVICE)
         self.inputs = StepInputs.allocate(
-            loop.max_num_batched_tokens, loop.max_num_seqs, loop.max_blocks_per_seq, DEVICE
-        )
+            loop.max_num_batched_tokens, loop.max_num_seqs, loop.max_blocks_per_seq, DEVICE,
+            loop.prompt_score_chunk,
+        )  # fmt: skip
         if DEVICE == "cuda":  # the ring as the loop sees it: host memory mapped into the GPU
             from blink_appliance.engine.loop.mapped_region import MappedRegion
 
@@ -172,7 +177,13 @@ class Twin:
         sampling = [
             (c.seq.request_id, c.seq.params, c.seq.seed, c.seq.num_output_tokens) for c in out.sampling_chunks
         ]
-        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted], out.capped)
+        scored, row = [], 0
+        for c in out.chunks:
+            positions = list(_prompt_positions(c))
+            if positions:
+                scored.append((c.seq, row + positions[0] - 1 - c.start, positions))
+            row += c.num_tokens
+        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted], out.capped, scored)
 
     def _reference_iteration(self) -> tuple[RefStep, list[TokenEvent]]:
         """EngineServer.run's loop body (without the sleep and telemetry)."""
@@ -285,8 +296,12 @@ class Twin:
         logprobs = any(p.logprobs is not None for _, p, _, _ in ref.sampling)
         penalized = any(p.penalized for _, p, _, _ in ref.sampling)
         assert int(s.sampler_index) == (
-            max(need, default=SAMPLER_GREEDY) + SAMPLER_LOGPROBS * logprobs + SAMPLER_PENALTIES * penalized
+            max(need, default=SAMPLER_GREEDY)
+            + SAMPLER_LOGPROBS * logprobs
+            + SAMPLER_PENALTIES * penalized
+            + SAMPLER_SCORE * bool(ref.scored)
         )
+        self._compare_scored(ref, rid)
         for row, (_, params, _, _) in enumerate(ref.sampling):
             slot = sample_slots[row]
             assert int(s.lp_top_n[slot]) == (-1 if params.logprobs is None else params.logprobs)
@@ -298,6 +313,21 @@ class Twin:
             assert int(s.n_bias[slot]) == n
             assert s.bias_ids[slot, :n].tolist() == [t for t, _ in params.logit_bias]
             assert s.bias_values[slot, :n].tolist() == [float(np.float32(b)) for _, b in params.logit_bias]
+
+    def _compare_scored(self, ref: RefStep, rid: list[int]) -> None:
+        """The prompt positions the step scores: one sequence's at most, rows in step order."""
+        s, P = self.state, self.loop.prompt_score_chunk
+        assert len(ref.scored) <= 1, "the reference scored two sequences' prompts in one step"
+        seq, row, positions = ref.scored[0] if ref.scored else (None, 0, [])
+        n = len(positions)
+        assert int(s.num_score_rows) == n
+        assert self.inputs.score_rows.tolist() == [row + j for j in range(n)] + [-1] * (P - n)
+        assert s.score_slot[n:].tolist() == [-1] * (P - n)
+        if n:
+            assert {rid[x] for x in s.score_slot[:n].tolist()} == {seq.request_id}
+            assert s.score_token[:n].tolist() == [seq.token_ids[p] for p in positions]
+            assert s.score_index[:n].tolist() == [p - seq.num_prompt_tokens for p in positions]
+            assert s.score_temperature[:n].tolist() == [float(np.float32(seq.params.temperature))] * n
 
     def _compare_state(self) -> None:
         s, sched = self.state, self.engine.scheduler
@@ -322,6 +352,8 @@ class Twin:
             i = slots[seq.request_id]
             assert int(s.num_computed[i]) == seq.num_computed_tokens
             assert int(s.num_tokens[i]) == seq.num_tokens and int(s.prompt_len[i]) == seq.num_prompt_tokens
+            scored = seq.prompt_logprobs_next if seq.params.prompt_logprobs else seq.num_prompt_tokens
+            assert int(s.lp_next[i]) == scored, "the next prompt position to score"
             assert (
                 s.token_ids[i, : min(seq.num_tokens, self.loop.max_model_len)].tolist()
                 == seq.token_ids[: self.loop.max_model_len]

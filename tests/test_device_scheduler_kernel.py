@@ -67,7 +67,9 @@ from tests.twin_front_end import LOOP, RING
 LOOP = dataclasses.replace(LOOP, lower_class_limit=int(sys.argv[1]))
 layout = RingLayout.of(RING)
 ring = torch.zeros(layout.size, dtype=torch.uint8)
-inputs = StepInputs.allocate(LOOP.max_num_batched_tokens, LOOP.max_num_seqs, LOOP.max_blocks_per_seq, "cpu")
+inputs = StepInputs.allocate(
+    LOOP.max_num_batched_tokens, LOOP.max_num_seqs, LOOP.max_blocks_per_seq, "cpu", LOOP.prompt_score_chunk
+)
 sched = DeviceScheduler(LOOP, DeviceState.allocate(LOOP, "cpu"), ring, layout, inputs, 1)
 ptx = ptx_for_sm90(schedule_kernel, sched._args, sched._constants, num_warps=sched.num_warps)
 print("acquire", ptx.count("ld.acquire.sys.global.u64"), "release", ptx.count("st.release.sys.global.u64"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from blink_appliance.frontend.__main__ import logprobs_refusals
+from blink_appliance.frontend.__main__ import logprobs_refusal
 from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
 from blink_appliance.frontend.errors import APIError
 from blink_appliance.frontend.metrics import ServingMetrics
@@ -143,30 +143,19 @@ async def _refused(service: CompletionService, cls, body: dict) -> dict:
 
 
 async def test_an_appliance_without_a_logprob_area_refuses_logprobs(smollm2_gguf_path):
-    assert logprobs_refusals("reference", 1 << 20) == (None, None)
-    off, prompt_off = logprobs_refusals("loop", 0)
-    assert off == prompt_off and "frontend.logprob_pairs = 0" in off
-    service = _service(smollm2_gguf_path, logprobs_refusal=off, prompt_logprobs_refusal=off)
+    assert logprobs_refusal(1 << 20) is None
+    off = logprobs_refusal(0)
+    assert "frontend.logprob_pairs = 0" in off
+    service = _service(smollm2_gguf_path, logprobs_refusal=off)
     for cls, body in (
         (CompletionRequest, {"prompt": "x", "logprobs": 0}),
+        (CompletionRequest, {"prompt": "x", "logprobs": 2, "echo": True}),
         (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
     ):
         err = await _refused(service, cls, body)
         assert err["message"] == off and err["param"] == "logprobs"
     ok = parse_request(CompletionRequest, {"model": "m", "prompt": "x", "echo": True})
     assert (await service.prepare_completion(ok)).echo == "x"  # echo alone needs no logprobs
-
-
-async def test_the_gpu_loop_refuses_the_prompts_logprobs_only(smollm2_gguf_path):
-    off, prompt_off = logprobs_refusals("loop", 1 << 20)
-    assert off is None and "GPU loop" in prompt_off
-    service = _service(smollm2_gguf_path, prompt_logprobs_refusal=prompt_off)
-    err = await _refused(service, CompletionRequest, {"prompt": "x", "logprobs": 2, "echo": True})
-    assert err["message"] == prompt_off and err["param"] == "echo"
-    prep = await service.prepare_completion(
-        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 2})
-    )
-    assert prep.params.logprobs == 2 and not prep.params.prompt_logprobs
 
 
 def test_lm_eval_local_completions_request_scores_as_transformers(live, hf):

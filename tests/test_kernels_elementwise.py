@@ -148,6 +148,28 @@ def test_rmsnorm_plain_and_gathered_rows(dtype):
     assert (out[3] == 0).all()
 
 
+def test_rmsnorm_gathers_a_second_row_list_into_its_own_output():
+    """The final norm's scored prompt rows (rows2 -> out2) in the launch of the sample rows, from
+    split-K partials: equal to a launch of their own; unused (-1) entries leave out2 as it was."""
+    hidden, parts, n = HIDDEN[0], 2, 7
+    dtype = torch.bfloat16 if GPU else torch.float32
+    partials = torch.randn(parts, n, hidden, device=DEVICE)
+    res = torch.randn(n, hidden, device=DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    rows, rows2 = torch.tensor([6, -1], device=DEVICE), torch.tensor([2, 3, 4, -1, -1], device=DEVICE)
+    out = torch.full((2, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    out2 = torch.full((5, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    add_rmsnorm(partials, w, out, 1e-5, residual=res, write_residual=False, rows=rows, x_parts=parts,
+                rows2=rows2, out2=out2)  # fmt: skip
+    alone, alone2 = torch.empty_like(out), torch.empty_like(out2)
+    add_rmsnorm(partials, w, alone, 1e-5, residual=res, write_residual=False, rows=rows, x_parts=parts)
+    add_rmsnorm(partials, w, alone2, 1e-5, residual=res, write_residual=False, rows=rows2, x_parts=parts)
+    assert torch.equal(out, alone) and torch.equal(out2[:3], alone2[:3])
+    assert out2[3:].isnan().all(), "unused entries are not written"
+    with pytest.raises(ValueError, match="rows2 and out2 come together"):
+        add_rmsnorm(partials, w, out, 1e-5, residual=res, rows=rows, x_parts=parts, rows2=rows2, out2=out2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     inter = 8192 if GPU else 96

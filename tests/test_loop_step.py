@@ -132,18 +132,29 @@ class ReferenceStepForward:
             torch.float32,
         )
         self.max_tokens, self.max_seqs = geometry.max_num_batched_tokens, geometry.max_num_seqs
-        self.inputs = StepInputs.allocate(self.max_tokens, self.max_seqs, geometry.max_blocks_per_seq, "cpu")
+        self.score_rows = geometry.prompt_score_chunk
+        self.inputs = StepInputs.allocate(
+            self.max_tokens, self.max_seqs, geometry.max_blocks_per_seq, "cpu", self.score_rows
+        )
         self.logits = torch.zeros(self.max_seqs, c.vocab_size)
+        self.score_logits = torch.zeros(self.score_rows, c.vocab_size)
 
     def step(self, num_tokens: int) -> torch.Tensor:
-        inp, rows = self.inputs, min(num_tokens, self.max_seqs)
+        """The sample rows' logits, and the scored prompt rows' (for score())."""
+        inp, rows, scored = self.inputs, min(num_tokens, self.max_seqs), min(num_tokens, self.score_rows)
         batch = ForwardBatch(
             input_ids=inp.input_ids[:num_tokens], positions=inp.positions[:num_tokens],
             slot_mapping=inp.slot_mapping[:num_tokens], query_start=inp.query_start,
-            context_lens=inp.context_lens, block_tables=inp.block_tables, sample_rows=inp.sample_rows[:rows],
+            context_lens=inp.context_lens, block_tables=inp.block_tables,
+            sample_rows=torch.cat([inp.sample_rows[:rows], inp.score_rows[:scored]]),
         )  # fmt: skip
-        self.logits[:rows] = self.model(batch, self.kv)
+        logits = self.model(batch, self.kv)
+        self.logits[:rows] = logits[:rows]
+        self.score_logits[:scored] = logits[rows:]
         return self.logits[:rows]
+
+    def score(self) -> torch.Tensor:
+        return self.score_logits
 
 
 async def serve(rig: LoopRig, client: EngineClient, workload) -> tuple[dict, int]:
@@ -291,68 +302,38 @@ async def test_loop_with_the_prefix_cache_streams_what_the_reference_streams_alo
     assert int(loop.state.free_top[0]) + int(loop.state.lru_words[2]) == GEOMETRY.num_kv_blocks
 
 
-LOGPROB_WORKLOAD = [
-    ("lp-greedy", 0, prompt(7, 6), greedy(6, logprobs=3)),
-    ("lp-sampled", 0, prompt(3, 7), dataclasses.replace(SAMPLED, logprobs=5)),
-    ("lp-chunked", 1, prompt(2, 21), greedy(4, logprobs=0)),  # prefilled over steps
-    ("plain", 1, prompt(5, 9), greedy(5)),
-    # Penalties and biases change the logits the sampler and the logprobs read.
-    ("repetition", 0, prompt(8, 5), greedy(10, repetition_penalty=0.3)),
-    (
-        "presence-frequency",
-        1,
-        prompt(9, 6),
-        greedy(10, presence_penalty=1.5, frequency_penalty=1.0, logprobs=2),
-    ),
-    ("biased-sampled", 2, prompt(10, 5), dataclasses.replace(SAMPLED, logit_bias=((17, 8.0), (99, 5.0)))),
-    # n = 4 as the front end sends it: four requests of one prompt on seeds seed + i.
-    *((f"choice-{i}", 1, prompt(11, 6), dataclasses.replace(SAMPLED, seed=50 + i)) for i in range(4)),
-]
-
-
-@pytest.mark.parametrize("target", TARGETS)
-async def test_loop_logprobs_and_penalties_equal_the_reference_engine(target):
-    if target.startswith("cuda") and not HAVE_GPU_STACK:
-        pytest.skip("needs cupy and cuda-bindings (the GPU extra)")
-    model = build_model(checkpoint(), torch.float32, "cpu")
-    streams, _, _ = await run_workload(LOGPROB_WORKLOAD, target=target)
-    for name, _, tokens, params in LOGPROB_WORKLOAD:
-        engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
-        engine.add_request(Request(0, tokens, params))
-        want = []
-        while engine.has_unfinished():
-            want += [e for e in engine.step() if e.token_id is not None]
-        got = [e for e in streams[name] if e.token_id is not None]
-        assert [e.token_id for e in got] == [e.token_id for e in want], name
-        if params.penalized:  # the penalties changed the stream (else the test would not see them)
-            plain = dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0,
-                                        repetition_penalty=1.0, logit_bias=())  # fmt: skip
-            engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
-            assert engine.generate([Request(0, tokens, plain)])[0] != [e.token_id for e in want], name
-        for g, w in zip(got, want, strict=True):
-            if params.logprobs is None:
-                assert g.logprobs is None and w.logprobs is None
-                continue
-            assert g.logprobs.token_id == w.logprobs.token_id
-            assert abs(g.logprobs.logprob - w.logprobs.logprob) < 1e-3, name
-            assert [t for t, _ in g.logprobs.top] == [t for t, _ in w.logprobs.top], name
-            assert all(
-                abs(a - b) < 1e-3 for (_, a), (_, b) in zip(g.logprobs.top, w.logprobs.top, strict=True)
-            )
+def _close(got, want) -> bool:
+    """Two TokenLogprobs agree: the token, its logprob and the alternatives' within 1e-3, same ids."""
+    if got is None or want is None:
+        return got is want
+    return (
+        got.token_id == want.token_id
+        and abs(got.logprob - want.logprob) < 1e-3
+        and [t for t, _ in got.top] == [t for t, _ in want.top]
+        and all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(got.top, want.top, strict=True))
+    )
 
 
 @pytest.mark.slow
 @cpu_only
 async def test_loop_with_the_real_gpu_forward_matches_the_reference():
-    """LoopStep.build's GpuForward (interpreted Triton, ~20 s per step): prefill + one decode."""
+    """LoopStep.build's GpuForward (interpreted Triton, ~20 s per step): prefill + one decode, the
+    prompt scored too (the final norm's second gather, GpuForward.score)."""
     geometry = dataclasses.replace(GEOMETRY, buckets=(16,))  # one bucket: no split-KV programs
     tokens = prompt(9, 5)
-    streams, loop, _ = await run_workload(
-        [("two", 0, tokens, greedy(2))], target="cpu-real", geometry=geometry
-    )
+    params = greedy(2, logprobs=2, prompt_logprobs=True)
+    streams, loop, _ = await run_workload([("two", 0, tokens, params)], target="cpu-real", geometry=geometry)
     model = build_model(checkpoint(), torch.float32, "cpu")
-    want = LLMEngine(model, EngineConfig(seed=0, **ENGINE)).generate([Request(0, tokens, greedy(2))])[0]
-    assert [e.token_id for e in streams["two"]] == want and streams["two"][-1].finished
+    engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
+    engine.add_request(Request(0, tokens, params))
+    want = []
+    while engine.has_unfinished():
+        want += [e for e in engine.step() if e.token_id is not None]
+    got = streams["two"]
+    assert [e.token_id for e in got] == [e.token_id for e in want] and got[-1].finished
+    assert all(_close(g.logprobs, w.logprobs) for g, w in zip(got, want, strict=True))
+    assert len(got[0].prompt_logprobs) == len(tokens) - 1
+    assert all(_close(g, w) for g, w in zip(got[0].prompt_logprobs, want[0].prompt_logprobs, strict=True))
     # The loop's own count of forwards, not the host's beats: on a loaded host the client may read
     # the last token a beat late, and that extra beat runs no forward.
     assert int(loop.state.counters[COUNTER_INDEX["steps"]]) == 2 and loop.graphs is None

@@ -438,3 +438,55 @@ def test_without_a_class_cap_lower_classes_fill_the_batch():
         commit(s.schedule())
         assert lower_class_running(s) == (4 if limit == 0 else 2)
     assert make().config.lower_class_limit == 0
+
+
+def _scoring_seq(rid: int, prompt_len: int) -> Sequence:
+    seq = make_seq(rid, prompt_len)
+    seq.params = SamplingParams(logprobs=0, prompt_logprobs=True)
+    return seq
+
+
+def _commit_scored(out: SchedulerOutput) -> None:
+    """commit(), and the prompt positions the step scored, as LLMEngine.step counts them."""
+    from blink_appliance.engine.reference.model_runner import _prompt_positions
+
+    for c in out.chunks:
+        c.seq.prompt_logprobs_next += len(_prompt_positions(c))
+    commit(out)
+
+
+def test_one_sequence_scores_its_prompt_per_step_in_chunks_of_at_most_prompt_score_chunk():
+    s = Scheduler(SchedulerConfig(4, 8, 32, prompt_score_chunk=6), BlockAllocator(64))
+    a, b, plain = _scoring_seq(1, 14), _scoring_seq(2, 5), make_seq(3, 9)
+    for q in (a, b, plain):
+        s.add(q)
+    out = s.schedule()  # a is admitted and scores 6; b waits behind it, and so does plain (FCFS)
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [(1, 6)]
+    _commit_scored(out)
+    out = s.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [(1, 6)]
+    _commit_scored(out)
+    out = s.schedule()  # a's last 2 tokens (it samples); b still waits: a scored this step
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [(1, 2)] and out.chunks[0].samples
+    _commit_scored(out)
+    assert not a.scores_prompt and a.prompt_logprobs_next == 14
+    out = s.schedule()  # a decodes; b scores all of its 5; plain comes in behind it
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [(1, 1), (2, 5), (3, 9)]
+
+
+def test_a_running_scorer_holds_the_other_running_scorers_back():
+    s = Scheduler(SchedulerConfig(4, 8, 32, prompt_score_chunk=4), BlockAllocator(64))
+    a, b = _scoring_seq(1, 10), _scoring_seq(2, 10)
+    s.add(a)
+    _commit_scored(s.schedule())
+    s.add(b)
+    out = s.schedule()  # b is a scoring head while a scores: admission stops at it
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [(1, 4)]
+    b.params = SamplingParams(logprobs=0)  # without prompt logprobs it would have come in
+    s2 = Scheduler(SchedulerConfig(4, 8, 32, prompt_score_chunk=4), BlockAllocator(64))
+    a2 = _scoring_seq(3, 10)
+    s2.add(a2)
+    _commit_scored(s2.schedule())
+    s2.add(b)
+    out = s2.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [(3, 4), (2, 10)]

@@ -14,7 +14,9 @@ the fp32 residual stream themselves (atomics; `deterministic_gemms` writes parti
 by the next norm); SiLU*up moves into the down GEMM's prologue up to 16 tokens and into the gate+up
 GEMM's epilogue at 65-128.
 The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
-bucket, min(T, max_seqs); unused entries are -1 and give zero logits).
+bucket, min(T, max_seqs); unused entries are -1 and give zero logits). With `score_rows` > 0 the
+final norm also gathers the `score_rows` inputs (prompt positions whose logprobs are scored) into
+`score_final`; their LM head runs apart, in `score()`, only in the loop iterations that score.
 
 It computes the same function as the reference model in llama.py (the tests compare the two).
 """
@@ -67,6 +69,7 @@ class GpuForward:
         triton_qkv: bool = True,
         gemm_plan: Callable[[int], DecodeGemms] = decode_gemms,
         attention_plan: Callable[[int], AttentionConfig] = attention_config,
+        score_rows: int = 0,
     ) -> None:
         c = config
         self.config = c
@@ -86,7 +89,8 @@ class GpuForward:
         self.max_context_len = max_context_len or max_blocks_per_seq * kv.block_size
         if self.max_context_len > max_blocks_per_seq * kv.block_size:
             raise ValueError("max_context_len exceeds what max_blocks_per_seq blocks can hold")
-        self.inputs = StepInputs.allocate(max_tokens, max_seqs, max_blocks_per_seq, self.device)
+        self.score_rows = score_rows
+        self.inputs = StepInputs.allocate(max_tokens, max_seqs, max_blocks_per_seq, self.device, score_rows)
         self.cos, self.sin = rope_tables(rope_inv_freq(c), self.max_context_len, self.device)
 
         # Activations, sized for the largest bucket; a bucket uses leading rows. Shared by all buckets.
@@ -156,6 +160,10 @@ class GpuForward:
         self._logits_lp = buf(max_seqs, c.vocab_size) if lp else None
         # fp32 logits of the sampled rows: what the sampler reads. Row r is for sample_rows[r].
         self.logits = buf(max_seqs, c.vocab_size, dtype=torch.float32)
+        # The scored prompt rows, normed by the step, and their logits once score() ran.
+        self.score_final = buf(score_rows, H)
+        self.score_logits = buf(score_rows, c.vocab_size, dtype=torch.float32)
+        self._score_logits_lp = buf(score_rows, c.vocab_size) if lp else None
 
     def _gemms(self, num_tokens: int) -> DecodeGemms:
         g = self.gemm_plan(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else CUBLAS_GEMMS
@@ -263,25 +271,32 @@ class GpuForward:
                 torch.mm(act, layer.down.t(), out=mlp_out)
 
         final = self._final[:R]
+        P = min(T, self.score_rows)
         add_rmsnorm(
-            mlp_sum,
-            w.norm,
-            final,
-            eps,
-            residual=h,
-            write_residual=False,
-            rows=inp.sample_rows[:R],
-            x_parts=down_parts,
-            pdl=self.pdl,
-        )
+            mlp_sum, w.norm, final, eps, residual=h, write_residual=False, rows=inp.sample_rows[:R],
+            x_parts=down_parts, pdl=self.pdl, rows2=inp.score_rows[:P] if P else None,
+            out2=self.score_final if P else None,
+        )  # fmt: skip
+        return self._lm_head(final, self.logits[:R], self._logits_lp)
+
+    def score(self) -> torch.Tensor:
+        """The LM head over the last step's scored prompt rows (score_final): fp32 logits
+        [score_rows, V], row i for inputs.score_rows[i] (rows of unused entries are stale)."""
+        return self._lm_head(self.score_final, self.score_logits, self._score_logits_lp)
+
+    def _lm_head(self, final: torch.Tensor, out: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits of the normed rows `final` into `out` (through `low` where cuBLAS cannot
+        write fp32 itself)."""
+        lm_head = self.weights.lm_head
         if self.lm_head_fp32_out:
-            torch.mm(final, w.lm_head.t(), out_dtype=torch.float32, out=self.logits[:R])
-        elif self._logits_lp is None:
-            torch.mm(final, w.lm_head.t(), out=self.logits[:R])
+            torch.mm(final, lm_head.t(), out_dtype=torch.float32, out=out)
+        elif low is None:
+            torch.mm(final, lm_head.t(), out=out)
         else:
-            torch.mm(final, w.lm_head.t(), out=self._logits_lp[:R])
-            self.logits[:R].copy_(self._logits_lp[:R])
-        return self.logits[:R]
+            rows = final.shape[0]
+            torch.mm(final, lm_head.t(), out=low[:rows])
+            out.copy_(low[:rows])
+        return out
 
     def load_batch(self, batch: ForwardBatch, num_tokens: int) -> None:
         """Host-side helper (tests, benchmarks): copy a ForwardBatch into the static inputs for a bucket

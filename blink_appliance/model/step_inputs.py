@@ -24,10 +24,16 @@ class StepInputs:
     context_lens: torch.Tensor  # [max_seqs] int32
     block_tables: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
     sample_rows: torch.Tensor  # [max_seqs] int64, -1 = unused
+    score_rows: torch.Tensor  # [score_rows] int64: token rows whose prompt logprobs are scored, -1 = unused
 
     @classmethod
     def allocate(
-        cls, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device | str
+        cls,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device | str,
+        score_rows: int = 0,
     ) -> StepInputs:
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
@@ -39,6 +45,7 @@ class StepInputs:
             context_lens=torch.zeros(max_seqs, **i32),
             block_tables=torch.zeros(max_seqs, max_blocks_per_seq, **i32),
             sample_rows=torch.zeros(max_seqs, **i64),
+            score_rows=torch.zeros(score_rows, **i64),
         )
         inputs.clear()
         return inputs
@@ -52,3 +59,4 @@ class StepInputs:
         self.context_lens.zero_()
         self.block_tables.fill_(-1)
         self.sample_rows.fill_(-1)
+        self.score_rows.fill_(-1)

@@ -49,7 +49,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from blink_appliance.engine.loop.logprobs import DeviceLogprobs
+from blink_appliance.engine.loop.logprobs import DeviceLogprobs, DevicePromptLogprobs
 from blink_appliance.engine.loop.penalties import DevicePenalties
 from blink_appliance.engine.loop.state import DeviceState
 from blink_appliance.kernels.sampling import (
@@ -91,6 +91,7 @@ class DeviceSampler:
         programs_per_sm: int = PROGRAMS_PER_SM,
         logprobs: DeviceLogprobs | None = None,
         penalties: DevicePenalties | None = None,
+        prompt_logprobs: DevicePromptLogprobs | None = None,
     ) -> None:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32:
@@ -131,6 +132,13 @@ class DeviceSampler:
             variants += tuple(self._then_logprobs(v) for v in base) if logprobs is not None else base
         if penalties is not None:
             variants += tuple(self._after_penalties(v) for v in variants)
+        # And all of those again after the scored prompt rows (SAMPLER_SCORE + i), when the loop
+        # scores prompts (it needs the logprob area and the penalty variants' places).
+        self.prompt_logprobs = prompt_logprobs
+        if prompt_logprobs is not None:
+            if logprobs is None or penalties is None:
+                raise ValueError("scoring prompts needs the logprob and penalty variants in their places")
+            variants += tuple(self._after_scoring(v) for v in variants)
         self._variants = variants  # host mode looks one up per step
 
     # -- the two variants (capturable) --------------------------------------------------------------
@@ -216,6 +224,13 @@ class DeviceSampler:
             variant()
 
         return penalties_then_sample
+
+    def _after_scoring(self, variant: Callable[[], None]) -> Callable[[], None]:
+        def score_then_sample() -> None:
+            self.prompt_logprobs.launch()
+            variant()
+
+        return score_then_sample
 
     def variants(self) -> tuple[Callable[[], None], ...]:
         """The variants by sampler_index (kernels/sampling.py SAMPLER_*)."""

@@ -36,16 +36,17 @@ _STATE_TENSORS = (
     "wait_since", "prompt_len",
     "num_tokens", "num_computed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
-    "error_code", "lp_top_n", "lp_offset", "penalized", "presence_penalty", "frequency_penalty",
+    "error_code", "lp_top_n", "lp_offset", "lp_next", "penalized", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "n_bias", "bias_ids", "bias_values", "free_blocks", "free_top", "block_ref",
     "block_cached", "block_key", "cache_table", "lru", "lru_pos", "lru_words", "evicted", "n_hashes",
     "prefix_hash", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
     "bucket_index", "sampler_index", "num_sample_rows", "row_temperature", "row_top_k", "row_top_p", "row_min_p", "row_seed",
-    "row_output_index", "num_active", "shutdown_seen", "next_arrival", "next_run_order", "counters",
+    "row_output_index", "num_score_rows", "score_slot", "score_token", "score_index", "score_temperature",
+    "num_active", "shutdown_seen", "next_arrival", "next_run_order", "counters",
     "step_start_ns", "clock_offset_ns",
 )  # fmt: skip
 _INPUT_TENSORS = (
-    "input_ids", "positions", "slot_mapping", "query_start", "context_lens", "block_tables", "sample_rows",
+    "input_ids", "positions", "slot_mapping", "query_start", "context_lens", "block_tables", "sample_rows", "score_rows",
 )  # fmt: skip
 
 
@@ -110,7 +111,7 @@ class DeviceScheduler:
             D=g.num_slots, S=g.max_num_seqs, MAX_BATCHED=g.max_num_batched_tokens,
             NUM_BUCKETS=len(g.buckets), BS=g.block_size, MAXB=g.max_blocks_per_seq,
             MAX_MODEL_LEN=g.max_model_len, VOCAB=g.vocab_size, NUM_COUNTERS=len(COUNTERS),
-            AGING=g.priority_aging_steps, LIMIT=g.lower_class_limit,
+            AGING=g.priority_aging_steps, LIMIT=g.lower_class_limit, SCORE=g.prompt_score_chunk,
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
             LOGPROBS=kernel_args.logprob_area(rg), MAX_BIAS=max(rg.max_logit_bias, 1), BIAS_TILE=BIAS_TILE,
@@ -123,6 +124,7 @@ class DeviceScheduler:
             BLOCK_J=BLOCK_TILE, BLOCK_P=min(PROMPT_TILE, _pow2(rg.max_prompt_tokens)),
             BLOCK_T=min(TOKEN_TILE, _pow2(g.max_num_batched_tokens)), BLOCK_C=min(64, _pow2(g.max_blocks_per_seq)),
             BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)), BLOCK_RANK=min(_pow2(rank_tile), block_s),
+            BLOCK_SCORE=_pow2(g.prompt_score_chunk),
             SLOT=kernel_args.SLOT_STATES, FINISH=kernel_args.FINISH_REASONS, ERROR=kernel_args.ERROR_CODES,
             COUNTER=kernel_args.SCHEDULE_COUNTERS, CONTROL=kernel_args.CONTROL_WORDS, RECORD=record,
             CHANNEL=kernel_args.CHANNEL_LAYOUT,
@@ -196,6 +198,11 @@ class DeviceScheduler:
             )
         if inputs.query_start.numel() != g.max_num_seqs + 1 or inputs.sample_rows.numel() != g.max_num_seqs:
             raise ValueError("StepInputs are not sized for max_num_seqs")
+        if inputs.score_rows.numel() != g.prompt_score_chunk:
+            raise ValueError(
+                f"StepInputs hold {inputs.score_rows.numel()} score rows; the loop scores up to "
+                f"{g.prompt_score_chunk} prompt positions a step (prompt_score_chunk)"
+            )
         if inputs.input_ids.device != device:
             raise ValueError(f"StepInputs are on {inputs.input_ids.device}, the loop state on {device}")
 

@@ -68,6 +68,7 @@ class LoopGeometry:
     lower_class_limit: int = 0  # running slots below the most urgent running class, at most; 0: no cap
     max_logit_bias: int = MAX_LOGIT_BIAS  # = RingGeometry.max_logit_bias
     prefix_cache: bool = False  # admissions reuse cached prompt blocks (the ring carries block hashes)
+    prompt_score_chunk: int = 512  # P: prompt positions scored per step at most (SchedulerConfig's)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -98,6 +99,8 @@ class LoopGeometry:
             raise ValueError("priority_aging_steps must be >= 0")
         if self.lower_class_limit < 0:
             raise ValueError("lower_class_limit must be >= 0")
+        if self.prompt_score_chunk < 1:
+            raise ValueError("prompt_score_chunk must be >= 1")
         if len(self.eos_token_ids) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} eos token ids")
 
@@ -136,7 +139,8 @@ class DeviceState:
     finish_reason: torch.Tensor  # FINISH_CODES (ring_layout) once FINISHING, else 0
     error_code: torch.Tensor  # ErrorCode (ring_layout)
     lp_top_n: torch.Tensor  # logprob alternatives the request asked for; -1: no logprobs
-    lp_offset: torch.Tensor  # int64: the first pair of its rows in the ring's logprob area
+    lp_offset: torch.Tensor  # int64: the first pair of its output tokens' rows in the logprob area
+    lp_next: torch.Tensor  # the next prompt position to score (prompt logprobs); prompt_len: none left
     penalized: torch.Tensor  # 1: a penalty or a logit bias changes its logits (engine/loop/penalties.py)
     presence_penalty: torch.Tensor  # float32
     frequency_penalty: torch.Tensor  # float32
@@ -174,6 +178,12 @@ class DeviceState:
     row_min_p: torch.Tensor  # float32
     row_seed: torch.Tensor  # int64
     row_output_index: torch.Tensor  # int64: tokens the row's request generated before this one
+    # the prompt positions this step scores [P] (one sequence's: Scheduler phase 6), rows [0, n)
+    num_score_rows: torch.Tensor  # [1]
+    score_slot: torch.Tensor  # the scoring slot, -1 unused
+    score_token: torch.Tensor  # int64: the prompt token at the scored position
+    score_index: torch.Tensor  # int64: its logprob row relative to the first output token's (p - prompt_len)
+    score_temperature: torch.Tensor  # float32
 
     # -- written by sample, read by commit ----------------------------------------------------------
     sampled: torch.Tensor  # [S] int64: token of sample row r
@@ -192,7 +202,7 @@ class DeviceState:
     @classmethod
     def allocate(cls, g: LoopGeometry, device: torch.device | str) -> DeviceState:
         g.validate()
-        D, S = g.num_slots, g.max_num_seqs
+        D, S, P = g.num_slots, g.max_num_seqs, g.prompt_score_chunk
 
         def i32(*shape: int, fill: int = 0) -> torch.Tensor:
             return torch.full(shape, fill, dtype=torch.int32, device=device)
@@ -210,7 +220,7 @@ class DeviceState:
             max_tokens=i32(D), temperature=f32(D), top_p=f32(D, fill=1.0), top_k=i32(D), min_p=f32(D),
             seed=i64(D), ignore_eos=i32(D), n_stop=i32(D), stop_ids=i32(D, g.max_stop_ids, fill=-1),
             token_ids=i32(D, g.max_model_len), block_table=i32(D, g.max_blocks_per_seq, fill=-1),
-            num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D), lp_top_n=i32(D, fill=-1), lp_offset=i64(D),
+            num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D), lp_top_n=i32(D, fill=-1), lp_offset=i64(D), lp_next=i32(D),
             penalized=i32(D), presence_penalty=f32(D), frequency_penalty=f32(D), repetition_penalty=f32(D, fill=1.0),
             n_bias=i32(D), bias_ids=i32(D, max(g.max_logit_bias, 1)), bias_values=f32(D, max(g.max_logit_bias, 1)),
             # Popping from the top hands out low block ids first, like the reference allocator.
@@ -225,6 +235,8 @@ class DeviceState:
             num_sample_rows=i32(1),
             row_temperature=f32(S), row_top_k=i64(S), row_top_p=f32(S, fill=1.0), row_min_p=f32(S),
             row_seed=i64(S), row_output_index=i64(S),
+            num_score_rows=i32(1), score_slot=i32(P, fill=-1), score_token=i64(P), score_index=i64(P),
+            score_temperature=f32(P),
             sampled=i64(S),
             num_active=i32(1), shutdown_seen=i32(1), keep_running=i32(1, fill=1), next_arrival=i64(1),
             next_run_order=i64(1), clock_offset_ns=i64(1),

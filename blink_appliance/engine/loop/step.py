@@ -22,7 +22,7 @@ import torch
 from blink_appliance.engine.loop.commit import DeviceCommit
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 from blink_appliance.engine.loop.graph import Segment, engine_body
-from blink_appliance.engine.loop.logprobs import DeviceLogprobs
+from blink_appliance.engine.loop.logprobs import DeviceLogprobs, DevicePromptLogprobs
 from blink_appliance.engine.loop.penalties import DevicePenalties
 from blink_appliance.engine.loop.progress import stage
 from blink_appliance.engine.loop.sampler import DeviceSampler
@@ -39,14 +39,18 @@ from blink_appliance.wire.ring_layout import RingLayout
 
 class StepForward(Protocol):
     """What the loop needs of a forward (GpuForward): static inputs schedule writes, fp32 logits
-    [max_seqs, V] the sampler reads (row r for sample row r), and `step(T)` over the first T rows."""
+    [max_seqs, V] the sampler reads (row r for sample row r), `step(T)` over the first T rows, and
+    `score()`: the logits [score_rows, V] of the prompt rows inputs.score_rows names, after a step."""
 
     inputs: StepInputs
     logits: torch.Tensor
     max_tokens: int
     max_seqs: int
+    score_rows: int
 
     def step(self, num_tokens: int) -> torch.Tensor: ...
+
+    def score(self) -> torch.Tensor: ...
 
 
 class LoopStep:
@@ -60,10 +64,15 @@ class LoopStep:
         commit: DeviceCommit,
         graphs: ForwardGraphs | None = None,
     ) -> None:
-        if forward.max_tokens < geometry.max_num_batched_tokens or forward.max_seqs != geometry.max_num_seqs:
+        if (
+            forward.max_tokens < geometry.max_num_batched_tokens
+            or forward.max_seqs != geometry.max_num_seqs
+            or forward.score_rows != geometry.prompt_score_chunk
+        ):
             raise ValueError(
-                f"forward sized for {forward.max_tokens} tokens / {forward.max_seqs} sequences; the loop "
-                f"needs {geometry.max_num_batched_tokens} / {geometry.max_num_seqs}"
+                f"forward sized for {forward.max_tokens} tokens / {forward.max_seqs} sequences / "
+                f"{forward.score_rows} scored prompt rows; the loop needs {geometry.max_num_batched_tokens} / "
+                f"{geometry.max_num_seqs} / {geometry.prompt_score_chunk}"
             )
         if graphs is not None and tuple(graphs.buckets) != tuple(geometry.buckets):
             raise ValueError(f"captured buckets {graphs.buckets} differ from the loop's {geometry.buckets}")
@@ -114,6 +123,7 @@ class LoopStep:
             config, weights, kv, max_tokens=geometry.max_num_batched_tokens, max_seqs=geometry.max_num_seqs,
             max_blocks_per_seq=geometry.max_blocks_per_seq, max_context_len=geometry.max_model_len,
             gemm_plan=deterministic_gemms if deterministic else decode_gemms,
+            score_rows=geometry.prompt_score_chunk,
         )  # fmt: skip
         graphs = None
         if capture_graphs is None:
@@ -137,12 +147,14 @@ class LoopStep:
         """A fresh DeviceState and the schedule / sample / commit parts around an existing forward."""
         state = DeviceState.allocate(geometry, forward.logits.device)
         scheduler = DeviceScheduler(geometry, state, region, layout, forward.inputs, engine_seed)
-        logprobs = (
-            DeviceLogprobs(state, forward.logits, region, layout) if layout.geometry.logprob_pairs else None
-        )
+        logprobs = prompt = None
+        if layout.geometry.logprob_pairs:
+            logprobs = DeviceLogprobs(state, forward.logits, region, layout, max_rows=forward.score_rows)
+            prompt = DevicePromptLogprobs(state, forward.score, logprobs)
         sampler = DeviceSampler(
-            state, forward.logits, logprobs=logprobs, penalties=DevicePenalties(state, forward.logits)
-        )
+            state, forward.logits, logprobs=logprobs, penalties=DevicePenalties(state, forward.logits),
+            prompt_logprobs=prompt,
+        )  # fmt: skip
         commit = DeviceCommit(geometry, state, region, layout)
         return cls(geometry, state, scheduler, forward, sampler, commit, graphs)
 

@@ -35,6 +35,7 @@ class EngineConfig:
     priority_aging_steps: int = 0  # a waiting request gains one priority level per this many steps; 0: off
     lower_class_limit: int = 0  # running sequences below the most urgent running class, at most; 0: no cap
     prefix_cache: bool = False  # reuse the KV blocks of cached prompt prefixes (docs/engine.md)
+    prompt_score_chunk: int = 512  # prompt tokens scored (prompt logprobs) per step, at most
 
     def validate(self) -> None:
         for name in (
@@ -43,6 +44,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
+            "prompt_score_chunk",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -104,6 +106,7 @@ class LLMEngine:
                 config.priority_aging_steps,
                 config.lower_class_limit,
                 config.prefix_cache,
+                config.prompt_score_chunk,
             ),
             self.allocator,
         )

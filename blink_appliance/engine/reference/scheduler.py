@@ -24,8 +24,13 @@ One call to `schedule()` decides one model step (docs/engine.md has the full sta
    that many steps waited, never past the most urgent base priority among live sequences.
 5. Prefix cache (`prefix_cache`): an admitted sequence starts with the cached blocks of its longest
    cached prompt prefix (at most (tokens - 1) // block_size of them, so one token is always fed; none
-   for one that asks for prompt logprobs) and prefills the rest; after 1-3, every block a chunk of
-   this step fills is registered under its prompt block hash (docs/engine.md, "Prefix cache").
+   for one with prompt positions left to score) and prefills the rest; after 1-3, every block a chunk
+   of this step fills is registered under its prompt block hash (docs/engine.md, "Prefix cache").
+6. Prompt scoring: a sequence with prompt positions left to score (prompt logprobs) prefills at most
+   `prompt_score_chunk` tokens a step, and only one such sequence prefills per step: the first in
+   running order that is prefilling when the step starts, else the first such head admission takes
+   (a later scoring head stops admission). The GPU loop gathers the scored rows of that one chunk
+   into a buffer of `prompt_score_chunk` rows.
 
 A sequence samples in this step exactly when its chunk ends at its last token.
 """
@@ -50,6 +55,7 @@ class SchedulerConfig:
     priority_aging_steps: int = 0  # 0: no aging
     lower_class_limit: int = 0  # running sequences of a class below the most urgent one, at most; 0: no cap
     prefix_cache: bool = False  # admissions reuse cached prompt blocks; filled blocks are registered
+    prompt_score_chunk: int = 512  # tokens a prompt-scoring sequence prefills per step, at most (phase 6)
 
 
 @dataclass
@@ -124,6 +130,7 @@ class Scheduler:
 
         # 1 + 2: running sequences in running order.
         reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        scorer = next((s for s in self.running if s.scores_prompt and s.num_uncomputed_tokens > 1), None)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -132,8 +139,8 @@ class Scheduler:
                 reserved -= 1
                 n = 1
             else:
-                n = min(remaining, budget - reserved)
-                if n <= 0:
+                n = min(self._chunk_cap(seq, remaining), budget - reserved)
+                if n <= 0 or (seq.scores_prompt and seq is not scorer):
                     i += 1
                     continue
             need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
@@ -154,16 +161,20 @@ class Scheduler:
 
         # 3: admit waiting sequences (not in a step that had to preempt for blocks: that would thrash).
         if len(preempted) == capped and self.waiting:
-            self._admit(chunks, preempted, budget)
+            self._admit(chunks, preempted, budget, scorer is not None)
         if chunks:
             self.clock += 1
         if self.config.prefix_cache:
             self._register_filled(chunks)
         return SchedulerOutput(chunks, preempted, capped)
 
+    def _chunk_cap(self, seq: Sequence, tokens: int) -> int:
+        """Tokens a prefill chunk of `seq` may take of `tokens` (phase 6)."""
+        return min(tokens, self.config.prompt_score_chunk) if seq.scores_prompt else tokens
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a waiting sequence would start with (phase 5)."""
-        if not self.config.prefix_cache or seq.params.prompt_logprobs:
+        if not self.config.prefix_cache or seq.scores_prompt:
             return []
         limit = min(len(seq.block_hashes), (seq.num_tokens - 1) // self.config.block_size)
         return self.allocator.lookup(seq.block_hashes, limit)
@@ -198,16 +209,19 @@ class Scheduler:
             return False
         return self._lower_class_count() >= limit
 
-    def _admit(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> None:
+    def _admit(
+        self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int, scoring: bool
+    ) -> None:
         """Phase 3: the head of the (effective priority, arrival) order while it fits, preempting
-        running sequences of a strictly lower class (last in running order first) to make it fit."""
+        running sequences of a strictly lower class (last in running order first) to make it fit.
+        `scoring`: a running sequence scores its prompt this step, so a scoring head waits (phase 6)."""
         floor = min(s.priority for s in self.running + self.waiting)
         while self.waiting:
             seq = min(self.waiting, key=lambda s: (self.effective_priority(s, floor), s.arrival))
             if any(seq is v for v in preempted):
                 break  # preempted in this step (class cap, admission): not readmitted (recomputed) now
             priority = self.effective_priority(seq, floor)
-            if self._capped(priority):
+            if self._capped(priority) or (scoring and seq.scores_prompt):
                 break
             while not self._fits(seq, budget) and self.running and self.running[-1].run_priority > priority:
                 victim = self.running[-1]
@@ -235,6 +249,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.run_key)
             chunks.append(ScheduledChunk(seq, cached, n))
             budget -= n
+            scoring = scoring or seq.scores_prompt
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         """A free sequence slot, budget left, and free capacity for the blocks of its first chunk
@@ -249,7 +264,7 @@ class Scheduler:
         and the blocks it needs beyond the cached ones."""
         hits = self._cached_prefix(seq)
         cached = len(hits) * self.config.block_size
-        n = min(seq.num_tokens - cached, budget)
+        n = min(self._chunk_cap(seq, seq.num_tokens - cached), budget)
         return hits, cached, n, self.blocks_for(cached + n) - len(hits)
 
     def preempt(self, seq: Sequence) -> None:

@@ -58,6 +58,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions are not scored yet."""
+        return self.params.prompt_logprobs and self.prompt_logprobs_next < self.num_prompt_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
