@@ -193,6 +193,8 @@ class FrontendSection(_Section):
     # (token, logprob) pairs, 8 bytes each, shared by the requests in flight that ask for logprobs
     # (a request takes (1 + N) per generated token, and per prompt token with echo); 0: refused.
     logprob_pairs: int = Field(default=1 << 20, ge=0, lt=2**31)
+    # int32 words of the token automata of structured-output requests in flight (docs/api.md); 0: refused.
+    constraint_words: int = Field(default=1 << 22, ge=0, lt=2**31)
     # Bearer keys: a string, or a table {key = "...", priority = N} whose requests run in class N
     # (docs/api.md, "Priority"); env BLINK_API_KEY adds one without a class.
     api_keys: list[ApiKeyEntry] = Field(default_factory=list)
@@ -480,6 +482,7 @@ def ring_geometry(profile: Profile, index: int = 0) -> RingGeometry:
         max_stop_ids=16,
         logprob_pairs=profile.frontend.logprob_pairs,
         prefix_block_size=hashed,
+        constraint_words=profile.frontend.constraint_words,
     )
 
 

@@ -195,8 +195,11 @@ def _services(
 
     registry = MetricsRegistry()  # one /metrics for every model, told apart by model_name
     services = []
-    for m, link, tokenizer, geometry in zip(models, links, tokenizers, geometries, strict=True):
+    for i, (m, link, tokenizer, geometry) in enumerate(
+        zip(models, links, tokenizers, geometries, strict=True)
+    ):
         client = link.client
+        refusal = constraint_refusal(profile.engine_mode_of(i), geometry.constraint_words, tokenizer, m.name)
         metrics = ServingMetrics(
             m.name,
             engine_telemetry=client.telemetry,
@@ -218,8 +221,14 @@ def _services(
             default_priority=m.priority,
             shares_prefixes=geometry.prefix_block_size > 0,
             logprobs_refusal=logprobs_refusal(geometry.logprob_pairs),
+            constraint_refusal=refusal,
         )
-        services.append(CompletionService(client, tokenizer, detokenizer, limits, metrics))
+        constraints = None
+        if refusal is None:
+            from blink_appliance.frontend.structured_output import ConstraintCompiler
+
+            constraints = ConstraintCompiler(tokenizer, tokenizer.eos_token_ids, geometry.constraint_words)
+        services.append(CompletionService(client, tokenizer, detokenizer, limits, metrics, constraints))
     return ModelRouter(services), telemetry
 
 
@@ -227,6 +236,22 @@ def logprobs_refusal(logprob_pairs: int) -> str | None:
     """Why a model's requests cannot have logprobs (nor the prompt's); None where its engine gives them."""
     if not logprob_pairs:
         return "logprobs are off: this appliance's profile sets frontend.logprob_pairs = 0"
+    return None
+
+
+def constraint_refusal(engine_mode: str, constraint_words: int, tokenizer: object, model: str) -> str | None:
+    """Why a model's requests cannot be constrained (structured output); None where they can."""
+    if engine_mode != "reference":
+        return (
+            f"structured output is not served by the GPU loop yet (engine.mode {engine_mode!r}); the CPU "
+            "reference engine serves it"
+        )
+    if not constraint_words:
+        return "structured output is off: this appliance's profile sets frontend.constraint_words = 0"
+    if not getattr(tokenizer, "eos_token_ids", None):
+        return (
+            f"the model {model} has no tokenizer with an end-of-sequence token: structured output needs one"
+        )
     return None
 
 

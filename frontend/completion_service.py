@@ -71,6 +71,8 @@ class ServiceLimits:
     default_priority: int = 0
     # Why this model's engine cannot give logprobs, or the prompt's (None: it can).
     logprobs_refusal: str | None = None
+    # Why it cannot follow a structured-output constraint (None: CompletionService.constraints does).
+    constraint_refusal: str | None = None
     # The engine caches prompt prefixes (the ring carries block hashes): n > 1 choices then submit
     # the first one alone and the rest once its prompt is computed, so they share its KV blocks.
     shares_prefixes: bool = False
@@ -141,8 +143,10 @@ class CompletionService:
         detokenizer_factory: Any,
         limits: ServiceLimits,
         metrics: ServingMetrics,
+        constraints: Any = None,
     ) -> None:
         self.client = client
+        self.constraints = constraints  # a ConstraintCompiler (frontend/structured_output.py), or None
         self.tokenizer = tokenizer
         self._detokenizer_factory = detokenizer_factory
         self.limits = limits
@@ -181,8 +185,9 @@ class CompletionService:
             ids = list(prompt)
             self._check_ids(ids, "prompt")
         prep = self._prepared(
-            req, ids, req.max_tokens, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, key_priority=key_priority
-        )
+            req, ids, req.max_tokens, default_max=COMPLETIONS_DEFAULT_MAX_TOKENS, key_priority=key_priority,
+            constraint=await self._constraint(req),
+        )  # fmt: skip
         if req.echoes:
             prep.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return prep
@@ -190,7 +195,22 @@ class CompletionService:
     async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
         ids = await self.chat_prompt_ids(req.template_messages())
-        return self._prepared(req, ids, req.token_limit, default_max=None, key_priority=key_priority)
+        constraint = await self._constraint(req)
+        return self._prepared(
+            req, ids, req.token_limit, default_max=None, key_priority=key_priority, constraint=constraint
+        )
+
+    async def _constraint(self, req: _SamplingRequest) -> Any:
+        """The request's structured-output automaton (compiled in a worker thread: a new schema takes
+        up to a second or so), or None."""
+        from blink_appliance.frontend.structured_output import constraint_regex
+
+        found = constraint_regex(req.response_format, req.guided_json, req.guided_regex, req.guided_choice)
+        if found is None:
+            return None
+        if self.constraints is None:
+            raise bad_request(self.limits.constraint_refusal or "structured output is off", found[1])
+        return await asyncio.to_thread(self.constraints.compile, *found)
 
     async def chat_prompt_ids(
         self,
@@ -243,6 +263,7 @@ class CompletionService:
         max_tokens: int | None,
         default_max: int | None,
         key_priority: int | None = None,
+        constraint: Any = None,
     ) -> Prepared:
         lim = self.limits
         n = len(ids)
@@ -288,6 +309,7 @@ class CompletionService:
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias=self._logit_bias(req.logit_bias),
+            constraint=constraint,
         )
         try:
             params.validate()

@@ -53,8 +53,11 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # OpenAI parameters not built yet: refused unless they ask for the default behaviour.
+    # Structured output (frontend/structured_output.py): OpenAI's, and vLLM's guided_* extensions.
     response_format: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -92,8 +95,6 @@ class _SamplingRequest(BaseModel):
                 return bad_request(
                     f"logit_bias for token {key} must be in [-100, 100], got {bias}", "logit_bias"
                 )
-        if self.response_format not in (None, {"type": "text"}):
-            return not_supported("response_format", "structured output")
         return None
 
     @property

@@ -100,6 +100,7 @@ class RequestFields(NamedTuple):
     frequency_penalty: int
     repetition_penalty: int
     n_bias: int
+    constraint_len: int
     stop_ids: int
     bias_ids: int
     bias_values: int
@@ -131,6 +132,7 @@ REQUEST_FIELD_DTYPES: dict[str, str] = {
     "frequency_penalty": "<f8",
     "repetition_penalty": "<f8",
     "n_bias": "<u4",
+    "constraint_len": "<u4",
     "stop_ids": "<i4",
     "bias_ids": "<i4",
     "bias_values": "<f4",

@@ -50,6 +50,7 @@ class RecordFields(NamedTuple):
     logprobs: tl.tensor  # 0: none; N + 1 for N alternatives
     prompt_logprobs: tl.tensor  # 1: prompt positions 1.. get logprob rows too
     lp_offset: tl.tensor
+    constraint_len: tl.tensor  # structured output is not served by the loop yet: a record with one is refused
     presence_penalty: tl.tensor
     frequency_penalty: tl.tensor
     repetition_penalty: tl.tensor  # 0 reads as 1 (off)
@@ -205,6 +206,7 @@ def _load_records(ring_ptr, rec, tk, RECORD: tl.constexpr):
             ring_f64 + (rec + RECORD.repetition_penalty) // 8, mask=tk, other=1.0, volatile=True
         ),
         n_bias=tl.load(ring_u32 + (rec + RECORD.n_bias) // 4, volatile=True).to(tl.int64),
+        constraint_len=tl.load(ring_u32 + (rec + RECORD.constraint_len) // 4, volatile=True).to(tl.int64),
     )
 
 
@@ -253,7 +255,7 @@ def _check_records(
         | ~((recs.presence_penalty >= -2.0) & (recs.presence_penalty <= 2.0))
         | ~((recs.frequency_penalty >= -2.0) & (recs.frequency_penalty <= 2.0))
         | ~(((recs.repetition_penalty > 0.0) & (recs.repetition_penalty <= 2.0)) | (recs.repetition_penalty == 0.0))
-        | bias_bad
+        | bias_bad | (recs.constraint_len != 0)
     )  # fmt: skip
     # Logprobs (engine_server._decode_logprobs's order): N + 1 in [1, 21] or 0, prompt scoring 0 or 1
     # and only with N, then the rows (prompt positions', then output tokens') inside the area.

@@ -106,7 +106,7 @@ def test_logprob_area_first_fit_merges_and_waits_for_unknown_ranges():
     area.release(0)
     area.release(3)
     area.release(2)
-    assert area.free_pairs == 100 and area.reserve(4, 100) == 0  # the ranges merged back into one
+    assert area.free_units == 100 and area.reserve(4, 100) == 0  # the ranges merged back into one
     area.release(4)
     area.adopt({7, 9})  # a previous front end's channels: where their rows are is unknown
     assert area.reserve(5, 1) is None

@@ -20,10 +20,10 @@ import numpy as np
 from blink_appliance.wire.channels import ChannelBounds, Pending, terminal_written
 from blink_appliance.wire.engine_watch import EngineWatch
 from blink_appliance.wire.errors import EngineBusyError, EngineDeadError
-from blink_appliance.wire.logprob_area import LogprobArea
 from blink_appliance.wire.prefix_hash import arena_words
 from blink_appliance.wire.region import RingRegion, checked_submission
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.wire.request_areas import RequestAreas
 from blink_appliance.wire.ring_cursor import RingCursor
 from blink_appliance.wire.ring_layout import FINAL_BIT, RingGeometry
 from blink_appliance.wire.transport import Transport
@@ -84,7 +84,7 @@ class EngineClient:
         self._by_slot: dict[int, Pending] = {}
         self._by_id: dict[int, Pending] = {}
         self._free: deque[int] = deque()
-        self._logprob_area = LogprobArea(self.geometry.logprob_pairs)
+        self._areas = RequestAreas(self.geometry)
         self._pump: asyncio.Task[None] | None = None
         self._closed = False
         self._ring_repair_limit_s = ring_repair_limit_s
@@ -127,7 +127,7 @@ class EngineClient:
                 self._tracked_gen[slot] = gen
                 self._bounds.claim(slot, done, self.geometry.max_output_tokens)
                 r.store_ctl(slot, "cancel", gen)
-        self._logprob_area.adopt({s for s in range(self.geometry.max_inflight) if self._tracked_gen[s]})
+        self._areas.adopt({s for s in range(self.geometry.max_inflight) if self._tracked_gen[s]})
         self._watch.restart(r)
 
     async def close(self) -> None:
@@ -184,8 +184,7 @@ class EngineClient:
             raise ValueError(f"a sampling parameter does not fit the request record: {e}") from None
 
         slot = self._free[0]
-        stream = self._logprob_area.open(r, slot, params, n)  # raises EngineBusyError when full
-        record[0]["lp_offset"] = stream.offset if stream else 0
+        stream = self._areas.open(r, slot, params, n, record)  # raises EngineBusyError when full
         self._free.popleft()
         generation = int(r.load_ctl(slot, "generation")) % U64_MAX + 1
         done = r.load_progress(slot, "done")
@@ -442,7 +441,7 @@ class EngineClient:
         """The engine is done with the slot: free it (the id stays known until its stream has ended)."""
         self._tracked_gen[slot] = 0
         self._bounds.faulted[slot] = False
-        self._logprob_area.release(slot)
+        self._areas.release(slot)
         self._free.append(slot)
         self._by_slot.pop(slot, None)
 

@@ -7,42 +7,17 @@ The front end both takes and gives back every range, so the engine only ever see
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 from blink_appliance.wire.errors import EngineBusyError
+from blink_appliance.wire.first_fit import FirstFit
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import SamplingParams, TokenLogprobs
 from blink_appliance.wire.ring_layout import logprob_pair_count, output_logprob_row
 
 
-class LogprobArea:
+class LogprobArea(FirstFit):
     """First-fit allocation of the area's pairs, one range per output channel."""
-
-    def __init__(self, pairs: int) -> None:
-        self.pairs = pairs
-        self._free: list[tuple[int, int]] = [(0, pairs)] if pairs else []  # sorted, disjoint [start, end)
-        self._held: dict[int, tuple[int, int]] = {}  # slot -> its range
-        # Channels a previous front end left in flight: where their rows are is not known, so
-        # nothing is handed out until the engine has finished all of them.
-        self._unknown: set[int] = set()
-
-    def adopt(self, slots: set[int]) -> None:
-        self._unknown = set(slots)
-
-    def reserve(self, slot: int, n: int) -> int | None:
-        """The first pair of `n` free ones, now held by `slot`; None when no range is large enough."""
-        if self._unknown:
-            return None
-        for i, (start, end) in enumerate(self._free):
-            if end - start >= n:
-                if end - start == n:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + n, end)
-                self._held[slot] = (start, start + n)
-                return start
-        return None
 
     def open(
         self, region: RingRegion, slot: int, params: SamplingParams, prompt_len: int
@@ -56,25 +31,6 @@ class LogprobArea:
         if offset is None:
             raise EngineBusyError("the logprob area is full (requests in flight hold all of it)")
         return LogprobStream(region, offset, params.logprobs, prompt_len, params.prompt_logprobs)
-
-    def release(self, slot: int) -> None:
-        """The engine is done with `slot`: its range (if any) is free again, merged with its neighbours."""
-        self._unknown.discard(slot)
-        held = self._held.pop(slot, None)
-        if held is None:
-            return
-        start, end = held
-        i = bisect.bisect(self._free, held)
-        if i < len(self._free) and self._free[i][0] == end:
-            end = self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][1] == start:
-            start = self._free.pop(i - 1)[0]
-            i -= 1
-        self._free.insert(i, (start, end))
-
-    @property
-    def free_pairs(self) -> int:
-        return sum(end - start for start, end in self._free)
 
 
 @dataclass

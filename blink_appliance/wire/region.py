@@ -233,6 +233,13 @@ class RingRegion:
                 pairs[i, j] = pair
         self.transport.write(self.layout.logprob_pair(first), pairs.tobytes())
 
+    def write_constraint(self, first: int, words: np.ndarray) -> None:
+        """A token automaton's words from word `first` of the constraint area (the front end)."""
+        self.transport.write(self.layout.constraint_word(first), np.ascontiguousarray(words, dtype="<i4"))
+
+    def read_constraint(self, first: int, n: int) -> np.ndarray:
+        return np.frombuffer(self.transport.read(self.layout.constraint_word(first), 4 * n), dtype="<i4")
+
     def read_logprob_pairs(self, first: int, n: int) -> np.ndarray:
         raw = self.transport.read(self.layout.logprob_pair(first), LOGPROB_PAIR.itemsize * n)
         return np.frombuffer(raw, dtype=LOGPROB_PAIR)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from blink_appliance.wire.automaton import TokenAutomaton
+
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's and vLLM's limit)
 MAX_LOGIT_BIAS = 300  # (token, bias) entries of one request, as OpenAI allows
 
@@ -41,6 +43,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: the token automaton the output follows (None: unconstrained). End of
+    # sequence is allowed exactly in its accepting states (wire/automaton.py).
+    constraint: TokenAutomaton | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -70,6 +75,8 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+        if self.constraint is not None and self.ignore_eos:
+            raise ValueError("a constrained output ends at its end of sequence: it cannot ignore_eos")
 
     @property
     def penalized(self) -> bool:

@@ -14,6 +14,7 @@ Region, in order (each section starts on a 64-byte boundary):
   tokens     int32 [max_inflight, max_output_tokens] written by the engine
   times      int64 [max_inflight, max_output_tokens] written by the engine (monotonic ns)
   logprobs   LOGPROB_PAIR [logprob_pairs]            written by the engine where a record points
+  constraints int32 [constraint_words]               token automata, written by the front end
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from blink_appliance.wire.request import FinishReason
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
 # 2: the step-time histogram in the telemetry block; 3: its bounds reach 16.8 s; 4: the logprob area,
-# penalties and logit_bias in the records; 5: block hashes after each prompt in the arena (prefix cache)
-VERSION = 5
+# penalties and logit_bias in the records; 5: block hashes after each prompt in the arena (prefix cache);
+# 6: the constraint area (structured output) and the records' constraint fields
+VERSION = 6
 CACHE_LINE = 64
 # Top bit of a channel's `count` word: the terminal status is written and `count` is final. It is
 # set in the same store that publishes the terminal token, so a reader never mistakes the last
@@ -55,6 +57,9 @@ class RingGeometry:
     # The engine's KV block size when it caches prefixes: each prompt is followed in the arena by the
     # hashes of its full blocks of this size (wire/prefix_hash.py); 0: no hashes.
     prefix_block_size: int = 0
+    # int32 words of the constraint area: the token automata of the structured-output requests in
+    # flight (wire/automaton.py; docs/protocol.md, "Constraint area"); 0: no area, constraints refused.
+    constraint_words: int = 1 << 22
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +82,10 @@ class RingGeometry:
             raise ValueError(
                 f"RingGeometry.arena_tokens ({self.arena_tokens}) must hold one prompt of max_prompt_tokens "
                 f"({self.max_prompt_tokens}) and its block hashes ({words} words)"
+            )
+        if not isinstance(self.constraint_words, int) or not 0 <= self.constraint_words < 2**31:
+            raise ValueError(
+                f"RingGeometry.constraint_words must be an int in [0, 2**31), got {self.constraint_words!r}"
             )
         if not isinstance(self.logprob_pairs, int) or not 0 <= self.logprob_pairs < 2**31:
             raise ValueError(
@@ -216,6 +225,7 @@ def _control_dtype() -> np.dtype:
         ("logprob_pairs", "<u4", 48),
         ("max_logit_bias", "<u4", 52),
         ("prefix_block_size", "<u4", 56),
+        ("constraint_words", "<u4", 60),
         # line 1: front end's producer words
         ("req_head", "<u8", 64),  # records published so far
         ("arena_head", "<u8", 72),  # arena tokens allocated so far (absolute)
@@ -271,12 +281,14 @@ def _request_dtype(geometry: RingGeometry) -> np.dtype:
         ("frequency_penalty", "<f8", 128),
         ("repetition_penalty", "<f8", 136),  # 0 reads as 1 (off), so a zeroed record asks for none
         ("n_bias", "<u4", 144),  # logit_bias entries used
+        ("constraint_len", "<u4", 148),  # words of its token automaton; 0: unconstrained
+        ("constraint_offset", "<u8", 152),  # its first word in the constraint area
         # No hole between fields: a copy of the record need not copy bytes no field covers.
-        ("stop_ids", ("<i4", (geometry.max_stop_ids,)), 148),
-        ("bias_ids", ("<i4", (bias,)), 148 + stop_bytes),
-        ("bias_values", ("<f4", (bias,)), 148 + stop_bytes + 4 * bias),
+        ("stop_ids", ("<i4", (geometry.max_stop_ids,)), 160),
+        ("bias_ids", ("<i4", (bias,)), 160 + stop_bytes),
+        ("bias_values", ("<f4", (bias,)), 160 + stop_bytes + 4 * bias),
     ]
-    return _struct(fields, _round_up(148 + stop_bytes + 8 * bias, CACHE_LINE))
+    return _struct(fields, _round_up(160 + stop_bytes + 8 * bias, CACHE_LINE))
 
 
 CHANNEL_CTL = _struct(
@@ -334,6 +346,7 @@ class RingLayout:
     tokens: int
     times: int
     logprobs: int
+    constraints: int
     size: int
 
     @classmethod
@@ -349,6 +362,7 @@ class RingLayout:
             ("tokens", 4 * g.max_inflight * g.max_output_tokens),
             ("times", 8 * g.max_inflight * g.max_output_tokens),
             ("logprobs", LOGPROB_PAIR.itemsize * g.logprob_pairs),
+            ("constraints", 4 * g.constraint_words),
         ]
         offsets: dict[str, int] = {}
         at = _round_up(CONTROL.itemsize, CACHE_LINE)
@@ -390,6 +404,9 @@ class RingLayout:
     def logprob_pair(self, index: int) -> int:
         return self.logprobs + LOGPROB_PAIR.itemsize * index
 
+    def constraint_word(self, index: int) -> int:
+        return self.constraints + 4 * index
+
 
 def region_size(geometry: RingGeometry) -> int:
     return RingLayout.of(geometry).size
@@ -411,5 +428,6 @@ def geometry_header(geometry: RingGeometry) -> dict[str, int]:
         "logprob_pairs": geometry.logprob_pairs,
         "max_logit_bias": geometry.max_logit_bias,
         "prefix_block_size": geometry.prefix_block_size,
+        "constraint_words": geometry.constraint_words,
         "region_bytes": layout.size,  # last: a geometry mismatch is reported by its field first
     }

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from blink_appliance.engine.reference.block_allocator import BlockAllocator
+from blink_appliance.engine.reference.constraint import advance
 from blink_appliance.engine.reference.model_runner import ModelRunner
 from blink_appliance.engine.reference.scheduler import Scheduler, SchedulerConfig
 from blink_appliance.engine.reference.sequence import Sequence
@@ -110,7 +111,9 @@ class LLMEngine:
             ),
             self.allocator,
         )
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        self.runner = ModelRunner(
+            model, config.num_kv_blocks, config.block_size, tuple(sorted(self.eos_token_ids))
+        )
         self._seed_source = random.Random(config.seed)
         self._live: dict[int, Sequence] = {}  # every request without its terminal event yet
         self._aborted: list[int] = []  # terminal ABORT events for the next step()
@@ -142,6 +145,9 @@ class LLMEngine:
         bad = next((t for t, _ in req.params.logit_bias if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ValueError(f"logit_bias names token {bad}, outside the vocabulary [0, {self.vocab_size})")
+        automaton = req.params.constraint
+        if automaton is not None and automaton.tokens.size and int(automaton.tokens.max()) >= self.vocab_size:
+            raise ValueError(f"constraint names tokens outside the vocabulary [0, {self.vocab_size})")
         if len(req.block_hashes) > len(prompt) // self.config.block_size:
             raise ValueError(
                 f"block_hashes has {len(req.block_hashes)} hashes, more than the prompt's full blocks "
@@ -157,6 +163,7 @@ class LLMEngine:
             arrival=self._arrivals,
             seed=seed,
             block_hashes=list(req.block_hashes) if self.config.prefix_cache else [],
+            constraint_state=automaton.initial if automaton is not None else 0,
         )
         self._arrivals += 1
         self._live[req.request_id] = seq
@@ -211,6 +218,10 @@ class LLMEngine:
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = FinishReason.STOP
+        elif p.constraint is not None and not advance(seq, token):
+            raise RuntimeError(
+                f"request {seq.request_id}: token {token} is outside its constraint (engine bug)"
+            )
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:

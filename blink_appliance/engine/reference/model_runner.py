@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from blink_appliance.engine.reference.constraint import mask_constrained
 from blink_appliance.engine.reference.logprobs import token_logprobs
 from blink_appliance.engine.reference.penalties import penalize
 from blink_appliance.engine.reference.sampler import SamplingTensors, sample
@@ -34,8 +35,11 @@ def _prompt_positions(chunk: ScheduledChunk) -> range:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_kv_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, num_kv_blocks: int, block_size: int, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # what a constrained row may end with in an accepting state
         param = next(model.parameters())
         self.device = param.device
         c = model.config
@@ -93,6 +97,7 @@ class ModelRunner:
                     penalize(
                         logits[row], seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
                     )
+        logits = mask_constrained(logits, [c.seq for c in sampling], self.eos_token_ids)
         tokens = sample(logits, st)
         logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
         wanting = [i for i, c in enumerate(sampling) if c.seq.params.logprobs is not None]

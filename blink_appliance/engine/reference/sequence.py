@@ -44,6 +44,7 @@ class Sequence:
     # out with the first token).
     prompt_logprobs_next: int = 1
     prompt_logprobs_pending: list[TokenLogprobs] = field(default_factory=list)
+    constraint_state: int = 0  # its automaton's state after its generated tokens (structured output)
 
     @property
     def num_tokens(self) -> int:

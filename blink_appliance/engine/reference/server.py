@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from blink_appliance.wire.automaton import TokenAutomaton
 from blink_appliance.wire.lifecycle import (
     FRONTEND_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
@@ -333,6 +334,7 @@ class EngineServer:
             frequency_penalty=floats["frequency_penalty"],
             repetition_penalty=floats["repetition_penalty"] or 1.0,  # 0: a record that sets none
             logit_bias=tuple(zip(bias_ids.tolist(), record["bias_values"][:n_bias].tolist(), strict=True)),
+            constraint=self._decode_constraint(record),
         )
         try:
             params.validate()
@@ -341,6 +343,21 @@ class EngineServer:
         return Request(
             request_id, prompt.tolist(), params, priority=int(record["priority"]), block_hashes=tuple(hashes)
         )
+
+    def _decode_constraint(self, record: np.void) -> TokenAutomaton | None:
+        """The record's token automaton, read from the constraint area and checked; None: none."""
+        n, first = int(record["constraint_len"]), int(record["constraint_offset"])
+        if n == 0:
+            return None
+        if first + n > self.geometry.constraint_words:
+            raise _Rejected(
+                ErrorCode.BAD_RECORD,
+                f"constraint words [{first}, {first + n}) are outside the area of {self.geometry.constraint_words}",
+            )
+        try:
+            return TokenAutomaton.from_words(self.region.read_constraint(first, n), self.vocab_size)
+        except ValueError as exc:
+            raise _Rejected(ErrorCode.INVALID_PARAMS, str(exc)) from None
 
     def _decode_logprobs(self, record: np.void, prompt_len: int, max_tokens: int) -> int | None:
         """The record's top-N count (None: no logprobs), once its rows fit the logprob area."""
