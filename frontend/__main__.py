@@ -195,11 +195,9 @@ def _services(
 
     registry = MetricsRegistry()  # one /metrics for every model, told apart by model_name
     services = []
-    for i, (m, link, tokenizer, geometry) in enumerate(
-        zip(models, links, tokenizers, geometries, strict=True)
-    ):
+    for m, link, tokenizer, geometry in zip(models, links, tokenizers, geometries, strict=True):
         client = link.client
-        refusal = constraint_refusal(profile.engine_mode_of(i), geometry.constraint_words, tokenizer, m.name)
+        refusal = constraint_refusal(geometry.constraint_words, tokenizer, m.name)
         metrics = ServingMetrics(
             m.name,
             engine_telemetry=client.telemetry,
@@ -239,13 +237,8 @@ def logprobs_refusal(logprob_pairs: int) -> str | None:
     return None
 
 
-def constraint_refusal(engine_mode: str, constraint_words: int, tokenizer: object, model: str) -> str | None:
+def constraint_refusal(constraint_words: int, tokenizer: object, model: str) -> str | None:
     """Why a model's requests cannot be constrained (structured output); None where they can."""
-    if engine_mode != "reference":
-        return (
-            f"structured output is not served by the GPU loop yet (engine.mode {engine_mode!r}); the CPU "
-            "reference engine serves it"
-        )
     if not constraint_words:
         return "structured output is off: this appliance's profile sets frontend.constraint_words = 0"
     if not getattr(tokenizer, "eos_token_ids", None):

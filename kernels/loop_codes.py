@@ -101,6 +101,7 @@ class RequestFields(NamedTuple):
     repetition_penalty: int
     n_bias: int
     constraint_len: int
+    constraint_offset: int
     stop_ids: int
     bias_ids: int
     bias_values: int
@@ -133,17 +134,20 @@ REQUEST_FIELD_DTYPES: dict[str, str] = {
     "repetition_penalty": "<f8",
     "n_bias": "<u4",
     "constraint_len": "<u4",
+    "constraint_offset": "<u8",
     "stop_ids": "<i4",
     "bias_ids": "<i4",
     "bias_values": "<f4",
 }
 
 
-class LogprobArea(NamedTuple):
-    """What schedule checks a record's logprob rows against."""
+class RecordAreas(NamedTuple):
+    """What schedule checks a record's logprob rows and token automaton against."""
 
     pairs: int  # the ring's logprob_pairs
     max_top_n: int  # the most alternatives a request may ask for (wire.request.MAX_LOGPROBS)
+    constraint_at: int  # byte offset of the ring's constraint area
+    constraint_words: int  # its int32 words
 
 
 class ChannelLayout(NamedTuple):

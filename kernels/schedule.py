@@ -88,6 +88,9 @@ class SlotTensors(NamedTuple):
     lp_top_n: tl.tensor
     lp_offset: tl.tensor
     lp_next: tl.tensor
+    c_offset: tl.tensor
+    c_state: tl.tensor
+    constraint_arena: tl.tensor
     penalized: tl.tensor
     presence_penalty: tl.tensor
     frequency_penalty: tl.tensor
@@ -136,7 +139,7 @@ def schedule_kernel(
     run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr, temperature_ptr, top_p_ptr,
     top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr, stop_ids_ptr, token_ids_ptr,
     block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr, lp_top_n_ptr, lp_offset_ptr,
-    lp_next_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr, repetition_penalty_ptr, n_bias_ptr,
+    lp_next_ptr, c_offset_ptr, c_state_ptr, constraint_arena_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr, repetition_penalty_ptr, n_bias_ptr,
     bias_ids_ptr, bias_values_ptr,
     # DeviceState, KV blocks (kernels/prefix_cache.py), step tables, sampling rows, control
     free_blocks_ptr, free_top_ptr, block_ref_ptr, block_cached_ptr, block_key_ptr, cache_table_ptr, lru_ptr,
@@ -157,7 +160,7 @@ def schedule_kernel(
     NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr,
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
-    MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr,
+    MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, AREAS: tl.constexpr,
     MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr,
     # the prefix cache: the ring's hash block size (0: off), table entries, LRU ring, per-slot hash words
     PBS: tl.constexpr, C: tl.constexpr, Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -177,7 +180,7 @@ def schedule_kernel(
         run_priority_ptr, wait_since_ptr, prompt_len_ptr, num_tokens_ptr, num_computed_ptr, max_tokens_ptr,
         temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, ignore_eos_ptr, n_stop_ptr,
         stop_ids_ptr, token_ids_ptr, block_table_ptr, num_blocks_ptr, finish_reason_ptr, error_code_ptr,
-        lp_top_n_ptr, lp_offset_ptr, lp_next_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr,
+        lp_top_n_ptr, lp_offset_ptr, lp_next_ptr, c_offset_ptr, c_state_ptr, constraint_arena_ptr, penalized_ptr, presence_penalty_ptr, frequency_penalty_ptr,
         repetition_penalty_ptr, n_bias_ptr, bias_ids_ptr, bias_values_ptr, bias_stage_ids_ptr,
         bias_stage_values_ptr, n_hashes_ptr, prefix_hash_ptr,
     )  # fmt: skip
@@ -240,7 +243,7 @@ def schedule_kernel(
         n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = _take_published(
             st, ch_d, md, tail, arena_tail, rec, position, seq_word, next_arrival, n_cancelled, clock, engine_seed,
             ring_ptr, snap_ptr, slots, OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT,
-            MAX_OUTPUT, MAX_STOP, LOGPROBS, MAX_BIAS, BIAS_TILE, PBS, HSTRIDE, MAX_MODEL_LEN, VOCAB, BLOCK_D,
+            MAX_OUTPUT, MAX_STOP, AREAS, MAX_BIAS, BIAS_TILE, PBS, HSTRIDE, MAX_MODEL_LEN, VOCAB, BLOCK_D,
             BLOCK_R, BLOCK_STOP, BLOCK_P, SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
         )  # fmt: skip
 
@@ -287,7 +290,7 @@ def _take_published(
     ring_ptr, snap_ptr, slots,
     OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
     MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
-    LOGPROBS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, PBS: tl.constexpr,
+    AREAS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, PBS: tl.constexpr,
     HSTRIDE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_STOP: tl.constexpr, BLOCK_P: tl.constexpr, SLOT: tl.constexpr,
     FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr, RECORD: tl.constexpr,
@@ -307,7 +310,7 @@ def _take_published(
         n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = take_records(
             st, ch_d, free_d, md, tail, arena_tail, rec, n_records, next_arrival, n_cancelled,
             engine_seed, ring_ptr, snap_ptr, slots,
-            OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS,
+            OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, AREAS,
             MAX_BIAS, BIAS_TILE, PBS, HSTRIDE,
             MAX_MODEL_LEN, VOCAB, BLOCK_D, BLOCK_R, BLOCK_STOP, BLOCK_P,
             SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,

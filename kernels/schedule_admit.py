@@ -286,7 +286,11 @@ def write_sample_rows(samples, row, slot, logits_row, slots, step):
     random = samples & (temperature > 0.0)
     need = tl.where(random, tl.where(top_k > 0, _SAMPLER_FULL, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
     logprobs = samples & (tl.load(slots.lp_top_n + slot, mask=samples, other=-1) >= 0)
-    penalized = samples & (tl.load(slots.penalized + slot, mask=samples, other=0) != 0)
+    # The penalties' variants also mask constrained rows (engine/loop/constraint.py).
+    penalized = samples & (
+        (tl.load(slots.penalized + slot, mask=samples, other=0) != 0)
+        | (tl.load(slots.c_offset + slot, mask=samples, other=-1) >= 0)
+    )
     return (
         tl.max(need, 0)
         + _SAMPLER_LOGPROBS * tl.max(logprobs.to(tl.int32), 0)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
+from blink_appliance.kernels.constraint import check_constraint, copy_constraints
 from blink_appliance.kernels.ring_access import load_acquire, store_release
 
 # Record outcomes inside the kernel besides "admitted" (0) and an ErrorCode (> 0).
@@ -50,7 +51,8 @@ class RecordFields(NamedTuple):
     logprobs: tl.tensor  # 0: none; N + 1 for N alternatives
     prompt_logprobs: tl.tensor  # 1: prompt positions 1.. get logprob rows too
     lp_offset: tl.tensor
-    constraint_len: tl.tensor  # structured output is not served by the loop yet: a record with one is refused
+    constraint_len: tl.tensor  # words of its token automaton in the constraint area (0: none)
+    constraint_offset: tl.tensor
     presence_penalty: tl.tensor
     frequency_penalty: tl.tensor
     repetition_penalty: tl.tensor  # 0 reads as 1 (off)
@@ -101,7 +103,7 @@ def take_records(
     ring_ptr, snap_ptr, slots,
     OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
     MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
-    LOGPROBS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, PBS: tl.constexpr,
+    AREAS: tl.constexpr, MAX_BIAS: tl.constexpr, BIAS_TILE: tl.constexpr, PBS: tl.constexpr,
     HSTRIDE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_STOP: tl.constexpr, BLOCK_P: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr,
@@ -145,7 +147,7 @@ def take_records(
     )
     local, later, stop_m, stop_ids = _check_records(
         recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr, bias_bad,
-        ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, LOGPROBS, MAX_MODEL_LEN, VOCAB, BLOCK_STOP,
+        ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT, MAX_OUTPUT, MAX_STOP, AREAS, MAX_MODEL_LEN, VOCAB, BLOCK_STOP,
         PBS, ERROR, RECORD,
     )  # fmt: skip
     r_slot, r_outcome, arena_tail = _place_records(
@@ -158,6 +160,7 @@ def take_records(
     )  # fmt: skip
     tl.debug_barrier()  # the staged biases are every thread's to move
     _move_biases(r_slot, r_outcome, tk, recs.n_bias, slots, MAX_BIAS, BIAS_TILE, BLOCK_R)
+    copy_constraints(r_slot, r_outcome, tk, recs, ring_ptr, slots, AREAS, BLOCK_R, BLOCK_P)
     next_arrival += n_admitted
     # All reads of the records and their prompts are done (barrier); then hand the space back.
     tl.debug_barrier()
@@ -207,6 +210,9 @@ def _load_records(ring_ptr, rec, tk, RECORD: tl.constexpr):
         ),
         n_bias=tl.load(ring_u32 + (rec + RECORD.n_bias) // 4, volatile=True).to(tl.int64),
         constraint_len=tl.load(ring_u32 + (rec + RECORD.constraint_len) // 4, volatile=True).to(tl.int64),
+        constraint_offset=tl.load(
+            ring_i64 + (rec + RECORD.constraint_offset) // 8, mask=tk, other=0, volatile=True
+        ),
     )
 
 
@@ -214,7 +220,7 @@ def _load_records(ring_ptr, rec, tk, RECORD: tl.constexpr):
 def _check_records(
     recs, tk, rec, arena_head, c_gen, c_cancel, p_done, ring_ptr, bias_bad,
     ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr,
-    MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, LOGPROBS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
+    MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, AREAS: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
     VOCAB: tl.constexpr, BLOCK_STOP: tl.constexpr, PBS: tl.constexpr, ERROR: tl.constexpr,
     RECORD: tl.constexpr,
 ):  # fmt: skip
@@ -255,19 +261,16 @@ def _check_records(
         | ~((recs.presence_penalty >= -2.0) & (recs.presence_penalty <= 2.0))
         | ~((recs.frequency_penalty >= -2.0) & (recs.frequency_penalty <= 2.0))
         | ~(((recs.repetition_penalty > 0.0) & (recs.repetition_penalty <= 2.0)) | (recs.repetition_penalty == 0.0))
-        | bias_bad | (recs.constraint_len != 0)
+        | bias_bad | ((recs.constraint_len > 0) & (recs.ignore_eos == 1))
     )  # fmt: skip
+    c_outside, c_bad = check_constraint(recs, ring_ptr, AREAS)
     # Logprobs (engine_server._decode_logprobs's order): N + 1 in [1, 21] or 0, prompt scoring 0 or 1
     # and only with N, then the rows (prompt positions', then output tokens') inside the area.
     r_max_tokens = recs.max_tokens
     r_prompt_lp = recs.prompt_logprobs
-    lp_bad = (
-        (recs.logprobs > LOGPROBS.max_top_n + 1)
-        | (r_prompt_lp > 1)
-        | ((r_prompt_lp == 1) & (recs.logprobs == 0))
-    )
+    lp_bad = (recs.logprobs > AREAS.max_top_n + 1) | (r_prompt_lp > 1) | ((r_prompt_lp == 1) & (recs.logprobs == 0))  # fmt: skip
     lp_rows = r_max_tokens + tl.where(r_prompt_lp == 1, r_plen - 1, 0)
-    lp_outside = (recs.logprobs > 0) & (recs.lp_offset + lp_rows * recs.logprobs > LOGPROBS.pairs)
+    lp_outside = (recs.logprobs > 0) & (recs.lp_offset + lp_rows * recs.logprobs > AREAS.pairs)
     # After the prompt checks: _decode's remaining checks, then the cancel word, then
     # LLMEngine.add_request's length limit.
     later = tl.where(recs.n_stop > MAX_STOP, ERROR.STOP_IDS,
@@ -276,8 +279,10 @@ def _check_records(
             tl.where(lp_bad, ERROR.INVALID_PARAMS,
             tl.where(lp_outside, ERROR.BAD_RECORD,
             tl.where(params_bad, ERROR.INVALID_PARAMS,
+            tl.where(c_outside, ERROR.BAD_RECORD,
+            tl.where(c_bad, ERROR.INVALID_PARAMS,
             tl.where(c_cancel == r_gen, _CANCELLED,
-            tl.where(r_plen > MAX_MODEL_LEN, ERROR.ENGINE_REJECTED, 0))))))))  # fmt: skip
+            tl.where(r_plen > MAX_MODEL_LEN, ERROR.ENGINE_REJECTED, 0))))))))))  # fmt: skip
     return local, later, stop_m, stop_ids
 
 

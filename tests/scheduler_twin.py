@@ -24,6 +24,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from blink_appliance.kernels.constraint import advance_rows  # noqa: E402
 from blink_appliance.kernels.sampling import (  # noqa: E402
     SAMPLER_FULL,
     SAMPLER_GREEDY,
@@ -294,7 +295,7 @@ class Twin:
             for _, p, _, _ in ref.sampling
         ]
         logprobs = any(p.logprobs is not None for _, p, _, _ in ref.sampling)
-        penalized = any(p.penalized for _, p, _, _ in ref.sampling)
+        penalized = any(p.penalized or p.constraint is not None for _, p, _, _ in ref.sampling)
         assert int(s.sampler_index) == (
             max(need, default=SAMPLER_GREEDY)
             + SAMPLER_LOGPROBS * logprobs
@@ -354,6 +355,10 @@ class Twin:
             assert int(s.num_tokens[i]) == seq.num_tokens and int(s.prompt_len[i]) == seq.num_prompt_tokens
             scored = seq.prompt_logprobs_next if seq.params.prompt_logprobs else seq.num_prompt_tokens
             assert int(s.lp_next[i]) == scored, "the next prompt position to score"
+            constrained = seq.params.constraint is not None
+            assert (int(s.c_offset[i]) >= 0) == constrained, "constrained or not"
+            if constrained:
+                assert int(s.c_state[i]) == seq.constraint_state, "the automaton's state"
             assert (
                 s.token_ids[i, : min(seq.num_tokens, self.loop.max_model_len)].tolist()
                 == seq.token_ids[: self.loop.max_model_len]
@@ -390,6 +395,21 @@ class Twin:
         s = self.state
         by_request = {e.request_id: e for e in events if e.token_id is not None}
         finished: dict[int, tuple[int, int]] = {}
+        # The sampler stage's last kernel: constrained slots move by their rows' tokens.
+        rows = [int(s.sample_slot[r]) for r in range(self.loop.max_num_seqs)]
+        for r, i in enumerate(rows):
+            if i >= 0:
+                s.sampled[r] = by_request[int(s.request_id[i])].token_id
+        steps = self.loop.vocab_size.bit_length() + 1
+        advance_rows(
+            s.num_sample_rows,
+            s.sample_slot,
+            s.sampled,
+            s.c_offset,
+            s.c_state,
+            s.constraint_arena,
+            steps=steps,
+        )
         for i in range(self.loop.num_slots):
             if int(s.slot_state[i]) == SlotState.FINISHING:
                 assert int(s.num_blocks[i]) == 0 and (s.block_table[i] == -1).all()

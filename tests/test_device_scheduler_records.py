@@ -180,9 +180,8 @@ def test_a_request_admitted_beside_running_ones_keeps_every_part_of_the_sampler_
     t.run_until_idle()  # the twin checks sampler_index against the rows of every step
 
 
-def test_the_loop_refuses_a_constrained_record():
-    """Structured output is not served by the loop yet: a record with a constraint ends with
-    invalid_params there, never unconstrained (here the reference refuses its unparsable words too)."""
+def test_a_record_whose_automaton_does_not_parse_is_refused():
+    """Seven zero words are no automaton (no states): invalid_params, as the reference says."""
     t = Twin()
     t.front.submit(prompt(5, 1), SamplingParams(temperature=0.0, max_tokens=3), record={"constraint_len": 7})
     t.front.submit(prompt(4, 2), SamplingParams(temperature=0.0, max_tokens=3))

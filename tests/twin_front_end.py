@@ -78,6 +78,7 @@ class TwinFrontEnd:
         self.regions = regions
         self.head = 0
         self.arena_head = 0
+        self.constraint_head = 0  # the next free word of the constraint area (never reused here)
         self.next_id = 1
 
     def free_channel(self) -> int:
@@ -118,6 +119,13 @@ class TwinFrontEnd:
             r.write_prompt(position, words)
             r.store("arena_head", end)
             rec = r.request_record((rid, generation, chan, priority), (position, end, n), params)
+            if params.constraint is not None:  # the automaton's words, as RequestAreas.open writes them
+                automaton = params.constraint.to_words()
+                r.write_constraint(self.constraint_head, automaton)
+                rec[0]["constraint_offset"], rec[0]["constraint_len"] = (
+                    self.constraint_head,
+                    automaton.shape[0],
+                )
             for name, value in (record or {}).items():
                 rec[0][name] = value
             r.publish_record(self.head, rec)
@@ -125,6 +133,8 @@ class TwinFrontEnd:
             r.doorbell("req_head", self.head + 1)
         self.head += 1
         self.arena_head = end
+        if params.constraint is not None:
+            self.constraint_head += params.constraint.num_words
         return Submitted(rid, chan, generation)
 
     def cancel(self, sub: Submitted) -> None:

@@ -33,6 +33,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         priority_aging_steps=profile.engine.priority_aging_steps,
         lower_class_limit=profile.engine.lower_class_limit,
         prefix_cache=profile.engine.prefix_cache,
+        constraint_words=ring_geometry(profile, index).constraint_words,
     )
     try:
         geometry.validate()  # parse_profile and resolve_plan checked each rule already, naming keys

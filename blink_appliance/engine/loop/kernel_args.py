@@ -23,7 +23,7 @@ from blink_appliance.kernels.loop_codes import (
     ControlWords,
     ErrorCodes,
     FinishCodes,
-    LogprobArea,
+    RecordAreas,
     RequestFields,
     ScheduleCounters,
     SlotStates,
@@ -36,7 +36,6 @@ from blink_appliance.wire.ring_layout import (
     CONTROL,
     FINISH_CODES,
     ErrorCode,
-    RingGeometry,
     RingLayout,
 )
 
@@ -104,8 +103,12 @@ def request_fields(layout: RingLayout) -> RequestFields:
     return _by_name(RequestFields, lambda name: fields[name][1])
 
 
-def logprob_area(geometry: RingGeometry) -> LogprobArea:
-    return LogprobArea(pairs=geometry.logprob_pairs, max_top_n=MAX_LOGPROBS)
+def record_areas(layout: RingLayout) -> RecordAreas:
+    g = layout.geometry
+    return RecordAreas(
+        pairs=g.logprob_pairs, max_top_n=MAX_LOGPROBS, constraint_at=layout.constraints,
+        constraint_words=g.constraint_words,
+    )  # fmt: skip
 
 
 def check_parameters(kernel: Any, args: Mapping[str, object], constexprs: Mapping[str, object]) -> None:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 import torch
 import triton
 
+from blink_appliance.engine.loop.constraint import DeviceConstraints
 from blink_appliance.engine.loop.logprobs import DeviceLogprobs, DevicePromptLogprobs
 from blink_appliance.engine.loop.penalties import DevicePenalties
 from blink_appliance.engine.loop.state import DeviceState
@@ -92,6 +93,7 @@ class DeviceSampler:
         logprobs: DeviceLogprobs | None = None,
         penalties: DevicePenalties | None = None,
         prompt_logprobs: DevicePromptLogprobs | None = None,
+        constraints: DeviceConstraints | None = None,
     ) -> None:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32:
@@ -124,7 +126,7 @@ class DeviceSampler:
         base = tuple(by_index[i] for i in range(len(by_index)))
         # Then each again followed by the logprob rows (SAMPLER_LOGPROBS + i), and all of those again
         # after the penalties (SAMPLER_PENALTIES + i), when the loop has them.
-        self.logprobs, self.penalties = logprobs, penalties
+        self.logprobs, self.penalties, self.constraints = logprobs, penalties, constraints
         # Without a logprob area schedule refuses every record that asks for logprobs, so indices
         # SAMPLER_LOGPROBS + i are never picked: the plain variants only hold their places.
         variants = base
@@ -219,9 +221,15 @@ class DeviceSampler:
         return sample_then_logprobs
 
     def _after_penalties(self, variant: Callable[[], None]) -> Callable[[], None]:
+        """The penalties, then the constraints' mask, the variant, and the constraints' states."""
+
         def penalties_then_sample() -> None:
             self.penalties.launch()
+            if self.constraints is not None:
+                self.constraints.mask()
             variant()
+            if self.constraints is not None:
+                self.constraints.advance()
 
         return penalties_then_sample
 

@@ -36,7 +36,7 @@ _STATE_TENSORS = (
     "wait_since", "prompt_len",
     "num_tokens", "num_computed", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "ignore_eos", "n_stop", "stop_ids", "token_ids", "block_table", "num_blocks", "finish_reason",
-    "error_code", "lp_top_n", "lp_offset", "lp_next", "penalized", "presence_penalty", "frequency_penalty",
+    "error_code", "lp_top_n", "lp_offset", "lp_next", "c_offset", "c_state", "constraint_arena", "penalized", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "n_bias", "bias_ids", "bias_values", "free_blocks", "free_top", "block_ref",
     "block_cached", "block_key", "cache_table", "lru", "lru_pos", "lru_words", "evicted", "n_hashes",
     "prefix_hash", "step_slot", "step_chunk", "sample_slot", "step_num_tokens",
@@ -114,7 +114,7 @@ class DeviceScheduler:
             AGING=g.priority_aging_steps, LIMIT=g.lower_class_limit, SCORE=g.prompt_score_chunk,
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
-            LOGPROBS=kernel_args.logprob_area(rg), MAX_BIAS=max(rg.max_logit_bias, 1), BIAS_TILE=BIAS_TILE,
+            AREAS=kernel_args.record_areas(layout), MAX_BIAS=max(rg.max_logit_bias, 1), BIAS_TILE=BIAS_TILE,
             PBS=rg.prefix_block_size, C=state.cache_table.numel(), Q=g.lru_capacity,
             HSTRIDE=state.prefix_hash.shape[1] if g.prefix_cache else 0, BLOCK_L=LRU_TILE, BLOCK_HASH=HASH_TILE,
             OFF_RECORDS=layout.records, REC_BYTES=layout.request.itemsize, OFF_ARENA=layout.arena,
@@ -166,6 +166,10 @@ class DeviceScheduler:
             raise ValueError(
                 f"ring prefix_block_size is {rg.prefix_block_size}, the loop needs {want} (its block size "
                 "when it caches prefixes, else 0: no block hashes)"
+            )
+        if rg.constraint_words != g.constraint_words:
+            raise ValueError(
+                f"ring constraint_words ({rg.constraint_words}) differs from the loop's ({g.constraint_words})"
             )
         if rg.max_stop_ids != g.max_stop_ids:
             raise ValueError(

@@ -69,6 +69,7 @@ class LoopGeometry:
     max_logit_bias: int = MAX_LOGIT_BIAS  # = RingGeometry.max_logit_bias
     prefix_cache: bool = False  # admissions reuse cached prompt blocks (the ring carries block hashes)
     prompt_score_chunk: int = 512  # P: prompt positions scored per step at most (SchedulerConfig's)
+    constraint_words: int = 1 << 22  # = RingGeometry.constraint_words: the device copy of the constraint area
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -141,6 +142,8 @@ class DeviceState:
     lp_top_n: torch.Tensor  # logprob alternatives the request asked for; -1: no logprobs
     lp_offset: torch.Tensor  # int64: the first pair of its output tokens' rows in the logprob area
     lp_next: torch.Tensor  # the next prompt position to score (prompt logprobs); prompt_len: none left
+    c_offset: torch.Tensor  # int64: its automaton's first word in constraint_arena; -1: unconstrained
+    c_state: torch.Tensor  # its automaton's state after its generated tokens
     penalized: torch.Tensor  # 1: a penalty or a logit bias changes its logits (engine/loop/penalties.py)
     presence_penalty: torch.Tensor  # float32
     frequency_penalty: torch.Tensor  # float32
@@ -162,6 +165,9 @@ class DeviceState:
     evicted: torch.Tensor  # [num_kv_blocks]: schedule's scratch, the blocks one allocation evicts
     n_hashes: torch.Tensor  # [D]: block hashes of the slot's prompt (0: looks nothing up)
     prefix_hash: torch.Tensor  # [D, max_blocks_per_seq * 4] with the cache, else [1, 4]: those hashes
+    # [max(constraint_words, 1)]: the automata of constrained slots, copied from the ring's constraint
+    # area at admission to the same offsets (wire/automaton.py; kernels/constraint.py reads them)
+    constraint_arena: torch.Tensor
 
     # -- this step, written by schedule -----------------------------------------------------------
     step_slot: torch.Tensor  # [S]: slot of batch sequence s, -1 unused (GpuForward.inputs order)
@@ -221,6 +227,7 @@ class DeviceState:
             seed=i64(D), ignore_eos=i32(D), n_stop=i32(D), stop_ids=i32(D, g.max_stop_ids, fill=-1),
             token_ids=i32(D, g.max_model_len), block_table=i32(D, g.max_blocks_per_seq, fill=-1),
             num_blocks=i32(D), finish_reason=i32(D), error_code=i32(D), lp_top_n=i32(D, fill=-1), lp_offset=i64(D), lp_next=i32(D),
+            c_offset=i64(D, fill=-1), c_state=i32(D), constraint_arena=i32(max(g.constraint_words, 1)),
             penalized=i32(D), presence_penalty=f32(D), frequency_penalty=f32(D), repetition_penalty=f32(D, fill=1.0),
             n_bias=i32(D), bias_ids=i32(D, max(g.max_logit_bias, 1)), bias_values=f32(D, max(g.max_logit_bias, 1)),
             # Popping from the top hands out low block ids first, like the reference allocator.

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from blink_appliance.engine.loop.commit import DeviceCommit
+from blink_appliance.engine.loop.constraint import DeviceConstraints
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 from blink_appliance.engine.loop.graph import Segment, engine_body
 from blink_appliance.engine.loop.logprobs import DeviceLogprobs, DevicePromptLogprobs
@@ -153,7 +154,7 @@ class LoopStep:
             prompt = DevicePromptLogprobs(state, forward.score, logprobs)
         sampler = DeviceSampler(
             state, forward.logits, logprobs=logprobs, penalties=DevicePenalties(state, forward.logits),
-            prompt_logprobs=prompt,
+            prompt_logprobs=prompt, constraints=DeviceConstraints(geometry, state, forward.logits),
         )  # fmt: skip
         commit = DeviceCommit(geometry, state, region, layout)
         return cls(geometry, state, scheduler, forward, sampler, commit, graphs)
