@@ -99,6 +99,7 @@ class Prepared:
     top_n: int | None = None  # logprobs: alternatives per position (None: no logprobs)
     echo: str | None = None  # the prompt's text, sent before the completion (completions' echo)
     score_only: bool = False  # max_tokens 0 with echo: the one token generated is not returned
+    tool_mode: Any = None  # chat with tools: how the reply becomes a tool call (frontend/tool_calls.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -194,18 +195,32 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
+        from blink_appliance.frontend.tool_calls import tool_mode
+
+        mode = tool_mode(req.tools, req.tool_choice)
         ids = await self.chat_prompt_ids(req.template_messages())
-        constraint = await self._constraint(req)
-        return self._prepared(
+        constraint = await self._constraint(req, mode.schema if mode is not None else None)
+        prep = self._prepared(
             req, ids, req.token_limit, default_max=None, key_priority=key_priority, constraint=constraint
         )
+        prep.tool_mode = mode
+        return prep
 
-    async def _constraint(self, req: _SamplingRequest) -> Any:
+    async def _constraint(self, req: _SamplingRequest, tool_schema: Any = None) -> Any:
         """The request's structured-output automaton (compiled in a worker thread: a new schema takes
-        up to a second or so), or None."""
+        up to a second or so), or None. `tool_schema`: what a tool call's reply must match."""
         from blink_appliance.frontend.structured_output import constraint_regex
 
         found = constraint_regex(req.response_format, req.guided_json, req.guided_regex, req.guided_choice)
+        if tool_schema is not None:
+            if found is not None:
+                raise bad_request(
+                    f"a tool call is already a constraint: {found[1]} cannot come with it", found[1]
+                )
+            try:
+                found = (constraint_regex(None, tool_schema, None, None)[0], "tools")
+            except APIError as e:
+                raise bad_request(f"tools: {e.message}", "tools") from None
         if found is None:
             return None
         if self.constraints is None:

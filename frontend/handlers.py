@@ -29,6 +29,7 @@ from blink_appliance.frontend.openai_schema import (
     parse_request,
     usage,
 )
+from blink_appliance.frontend.tool_calls import ToolCallReplies
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
         return None if prep.top_n is None else chat_logprobs(entries, service.token_strings)
 
+    calls = ToolCallReplies(prep.tool_mode)
+
     def chunk(index: int, text: str | None, reason: str | None = None, use: dict[str, int] | None = None,
               entries: Sequence[LogprobEntry] = ()) -> dict[str, Any]:  # fmt: skip
         if text is None:
@@ -126,6 +129,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         elif index not in opened:  # OpenAI opens each choice's stream with the role
             delta = {"role": "assistant", "content": text}
             opened.add(index)
+        elif calls.mode is not None:  # held until the call is whole, then sent as tool_calls
+            delta, reason = calls.delta(index, text, reason)
         else:
             delta = {"content": text} if text or reason is None else {}
         lp = logprobs(entries) if entries else None
@@ -134,7 +139,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
 
     def whole(index: int, text: str, reason: str | None, entries: Sequence[LogprobEntry]) -> dict[str, Any]:
-        return chat_body(prep.rid, model, text, reason, None, created, logprobs(entries), index=index)
+        body = chat_body(prep.rid, model, text, reason, None, created, logprobs(entries), index=index)
+        return calls.whole(body, text, reason)
 
     return await _respond(request, service, prep, req.n, chunk, whole)
 

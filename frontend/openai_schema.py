@@ -7,6 +7,7 @@ with "not supported yet" when they ask for something other than the default beha
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
@@ -166,8 +167,9 @@ class MediaPart(BaseModel):
     type: Literal["image_url", "input_audio", "file", "refusal"]
 
 
-# Served roles, and OpenAI's tool-calling roles (refused in unsupported()).
-SERVED_ROLES = ("system", "developer", "user", "assistant")
+# Served roles ("tool": a tool's result, answering an assistant message's tool_calls), and the
+# legacy "function" role (refused in unsupported()).
+SERVED_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(BaseModel):
@@ -175,7 +177,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[Annotated[TextPart | MediaPart, Field(discriminator="type")]] | None = None
     name: str | None = None
-    # Tool calling's message fields, so a tool conversation is refused as such, not as unknown keys.
+    # Tool calling's message fields (function_call, the legacy form, is refused as such).
     tool_call_id: Any = None
     tool_calls: Any = None
     function_call: Any = None
@@ -183,12 +185,15 @@ class ChatMessage(BaseModel):
     def unsupported(self, index: int) -> APIError | None:
         where = f"messages[{index}]"
         if self.role not in SERVED_ROLES:
-            return _message_refused(f"{where}: '{self.role}' messages are not supported yet (tool calling)")
-        for key in ("tool_calls", "function_call"):
-            if getattr(self, key) not in (None, []):
-                return _message_refused(f"{where}.{key} is not supported yet (tool calling)")
-        if self.tool_call_id is not None:
-            return _message_refused(f"{where}.tool_call_id is not supported yet (tool calling)")
+            return _message_refused(
+                f"{where}: '{self.role}' messages are not supported yet (legacy function calling)"
+            )
+        if self.function_call is not None:
+            return _message_refused(f"{where}.function_call is not supported yet (legacy function calling)")
+        if self.tool_calls not in (None, []) and self.role != "assistant":
+            return bad_request(f"{where}: only assistant messages carry tool_calls", "messages")
+        if self.content is None and self.role == "assistant" and self.tool_calls:
+            return None  # a call's message may have no text
         if self.content is None:
             return bad_request(
                 f"missing required parameter 'messages.{index}.content'", "messages", "missing_parameter"
@@ -204,6 +209,10 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
+        """Its text; an assistant's tool calls without text are written as their JSON (a chat
+        template that knows no tools still shows the model what it called)."""
+        if self.content is None and self.tool_calls:
+            return json.dumps([c.get("function", c) for c in self.tool_calls], ensure_ascii=False)
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content or () if isinstance(part, TextPart))
@@ -225,12 +234,10 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: Any = None
 
     def unsupported(self) -> APIError | None:
-        for key in ("tools", "functions"):
-            if getattr(self, key) not in (None, []):
-                return not_supported(key, "tool calling")
-        for key in ("tool_choice", "function_call"):
-            if getattr(self, key) not in (None, "none"):
-                return not_supported(key, "tool calling")
+        if self.functions not in (None, []):
+            return not_supported("functions", "legacy function calling; use tools")
+        if self.function_call not in (None, "none"):
+            return not_supported("function_call", "legacy function calling; use tool_choice")
         if self.parallel_tool_calls not in (None, False):
             return not_supported("parallel_tool_calls", "tool calling")
         for i, message in enumerate(self.messages):

@@ -323,10 +323,10 @@ async def test_completion_400s(live, body, param, fragment):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto"
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages",

@@ -1,5 +1,6 @@
 """Issue 19's front-end pieces: /version (vLLM's shape, open without a key like /health), and 400s
-that say image parts and tool messages are "not supported yet" instead of raw validation text."""
+that say image parts and legacy function messages are "not supported yet" instead of raw
+validation text; tool conversations are templated."""
 
 from __future__ import annotations
 
@@ -34,21 +35,38 @@ def test_a_media_content_part_is_not_supported_yet(part):
     )
 
 
-def test_a_tool_message_is_not_supported_yet():
+def test_a_legacy_function_message_is_not_supported_yet():
     err = _refusal(
         [
             {"role": "user", "content": "Weather in Paris?"},
-            {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+            {"role": "function", "name": "f", "content": "18C"},
         ]
     )
     assert err["param"] == "messages" and err["code"] == "unsupported_parameter"
-    assert err["message"] == "messages[1]: 'tool' messages are not supported yet (tool calling)"
+    assert (
+        err["message"] == "messages[1]: 'function' messages are not supported yet (legacy function calling)"
+    )
 
 
-def test_an_assistant_tool_call_is_not_supported_yet():
-    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    err = _refusal([{"role": "assistant", "content": None, "tool_calls": [call]}])
-    assert "tool_calls is not supported yet" in err["message"]
+def test_a_tool_conversation_is_templated_with_the_calls_as_json():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    req = parse_request(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+            ],
+        },
+    )
+    assert req.template_messages()[1:] == [
+        {"role": "assistant", "content": '[{"name": "f", "arguments": "{\\"x\\": 1}"}]'},
+        {"role": "tool", "content": "18C"},
+    ]
+    err = _refusal([{"role": "user", "content": "x", "tool_calls": [call]}])
+    assert err["message"] == "messages[0]: only assistant messages carry tool_calls"
 
 
 def test_text_parts_still_serve():
