@@ -138,12 +138,29 @@ def prompt_id_limit(source: str) -> int:
 
 
 async def generate(
-    client: EngineClient, batch: int, tokens: int, seed: int, id_limit: int
+    client: EngineClient,
+    batch: int,
+    tokens: int,
+    seed: int,
+    id_limit: int,
+    constrained: int = 0,
+    model: str = "",
 ) -> list[list[int]]:
-    """`batch` requests at once; the engine's token stamps (ns) of each."""
+    """`batch` requests at once; the engine's token stamps (ns) of each. `constrained` > 0: each
+    request follows a one-state automaton allowing that many tokens (bench/structured_output.py)."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    ids = [client.submit(rng.integers(10, id_limit, PROMPT_LEN).tolist(), params) for _ in range(batch)]
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)] * batch
+    if constrained:
+        from bench.structured_output import automaton
+        from blink_appliance.model.presets import preset_config
+
+        config = preset_config(model.partition(":")[2])
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=tokens, constraint=automaton(
+                config.vocab_size, set(config.eos_token_ids), constrained, seed=seed * 1000 + i))
+            for i in range(batch)
+        ]  # fmt: skip
+    ids = [client.submit(rng.integers(10, id_limit, PROMPT_LEN).tolist(), p) for p in params]
 
     async def stamps(rid: int) -> list[int]:
         out, token_ids = [], []
@@ -209,7 +226,10 @@ async def measure_mode(args: argparse.Namespace, mode: str) -> dict:
         for batch in args.batches:
             waits_before = client.payload_waits
             with CpuSampler(pid) as cpu:
-                per_request = await generate(client, batch, args.tokens, seed=batch, id_limit=id_limit)
+                per_request = await generate(
+                    client, batch, args.tokens, seed=batch, id_limit=id_limit, constrained=args.constrained,
+                    model=args.model,
+                )  # fmt: skip
             start, end, inside = steady_window(per_request, args.skip)
             cpu_s = cpu.at(end) - cpu.at(start)
             gaps = [(b - a) / 1e6 for s in per_request for a, b in zip(s[1:], s[2:], strict=False)]
@@ -283,6 +303,12 @@ def main() -> None:
     parser.add_argument("--kv-gib", type=float, default=4.0)
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--deterministic", action="store_true", help="engine.deterministic = true")
+    parser.add_argument(
+        "--constrained",
+        type=int,
+        default=0,
+        help="every request constrained to this many tokens (structured output)",
+    )
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=None, help="folder for loop_cpu_time.json / .md")
     args = parser.parse_args()

@@ -40,7 +40,7 @@ class ToolMode:
         if not isinstance(name, str):
             return None
         return {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "id": call_id(),
             "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
         }
@@ -108,16 +108,32 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
 
 
 class ToolCallReplies:
-    """A chat response's choices as tool calls (mode None: as text). Streamed, a choice's text is
-    held until it ends, then sent as one tool_calls delta: a call's arguments are only known to be
-    one once the constraint has accepted them."""
+    """A chat response's choices as tool calls (mode None: as text).
+
+    With a named function the reply is the call's arguments: streamed, its first piece opens the
+    call (id, type, name) and every piece adds to `arguments`, as OpenAI streams them, and a reply
+    cut by max_tokens is still the call, with finish_reason "length". With "required" the reply
+    names the function too, so it is held until it ends and sent as one tool_calls delta (cut
+    short, it comes back as text)."""
 
     def __init__(self, mode: ToolMode | None) -> None:
         self.mode = mode
         self._held: dict[int, list[str]] = {}
+        self._ids: dict[int, str] = {}
 
     def delta(self, index: int, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The delta and finish reason of a streamed piece of choice `index`."""
+        final = "tool_calls" if reason == "stop" else reason
+        if self.mode.name is not None:
+            if index not in self._ids:
+                self._ids[index] = call_id()
+                head = {
+                    "id": self._ids[index],
+                    "type": "function",
+                    "function": {"name": self.mode.name, "arguments": text},
+                }
+                return {"tool_calls": [{"index": 0, **head}]}, final
+            return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), final
         self._held.setdefault(index, []).append(text)
         if reason is None:
             return {}, None
@@ -129,9 +145,22 @@ class ToolCallReplies:
 
     def whole(self, body: dict[str, Any], text: str, reason: str | None) -> dict[str, Any]:
         """A non-streamed choice's body, its message made a tool call when it is one."""
-        call = self.mode.call(text) if self.mode is not None and reason == "stop" else None
+        if self.mode is None:
+            return body
+        if self.mode.name is not None:
+            call = {
+                "id": call_id(),
+                "type": "function",
+                "function": {"name": self.mode.name, "arguments": text},
+            }
+        else:
+            call = self.mode.call(text) if reason == "stop" else None
         if call is not None:
             choice = body["choices"][0]
             choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-            choice["finish_reason"] = "tool_calls"
+            choice["finish_reason"] = "tool_calls" if reason == "stop" else reason
         return body
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -87,8 +87,11 @@ def test_required_picks_one_of_the_tools_and_streams_as_openai_does(live):
     )  # fmt: skip
     chunks = [c for c in stream if c.choices]
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    # As OpenAI streams a call: the first delta opens it (id, name), the rest add to its arguments.
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather" and len(calls) > 2
+    assert all(c.id is None and c.function.name is None for c in calls[1:])
+    arguments = "".join(c.function.arguments for c in calls)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
