@@ -106,26 +106,36 @@ async def drive(rig: LoopRig, coro):
     return task.result()
 
 
-async def loop_cost(ckpt, args, score_chunk: int) -> dict:
+def shipped_loop(ckpt, model: str, engine: dict, frontend: dict, **geometry_changes) -> LoopRig:
+    """A LoopRig in the device loop at the shipped geometry (8192/1024/256/2048, bf16 on cuda:0), its
+    profile's [engine] and [frontend] given the extra keys; `geometry_changes` replace LoopGeometry
+    fields."""
     mml, slots, seqs, budget = (int(x) for x in SHIPPED.split("/"))
-    model = {
-        "name": "scored", "source": args.model, "dtype": "bfloat16", "device": "cuda:0", "max_seqs": seqs,
+    spec = {
+        "name": "bench", "source": model, "dtype": "bfloat16", "device": "cuda:0", "max_seqs": seqs,
         "max_model_len": mml, "max_num_batched_tokens": budget, "block_size": 16, "kv_fraction": 0.85,
     }  # fmt: skip
     profile = parse_profile(
         {
-            "models": [model],
-            "engine": {"num_slots": slots, "prefix_cache": False},
-            "frontend": {"max_inflight": slots},
+            "models": [spec],
+            "engine": {"num_slots": slots, **engine},
+            "frontend": {"max_inflight": slots, **frontend},
         },
         origin=SHIPPED,
     )
     plan = resolve_plan(profile.model, ckpt.config)
     geometry, ring = loop_geometry(profile, plan, ckpt.config), ring_geometry(profile)
-    geometry = dataclasses.replace(geometry, prompt_score_chunk=score_chunk)
     gc.collect()  # the previous rig
     torch.cuda.empty_cache()
-    rig = LoopRig.build(ring, geometry, checkpoint=ckpt, dtype=torch.bfloat16, device="cuda:0", in_loop=True)
+    return LoopRig.build(
+        ring, dataclasses.replace(geometry, **geometry_changes), checkpoint=ckpt, dtype=torch.bfloat16,
+        device="cuda:0", in_loop=True,
+    )  # fmt: skip
+
+
+async def loop_cost(ckpt, args, score_chunk: int) -> dict:
+    rig = shipped_loop(ckpt, args.model, {"prefix_cache": False}, {}, prompt_score_chunk=score_chunk)
+    geometry = rig.step.geometry
     client = rig.client()
     out: dict = {
         "geometry": SHIPPED,

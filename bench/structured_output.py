@@ -35,8 +35,6 @@ sys.path.insert(0, str(ROOT))
 from blink_appliance.wire.automaton import TokenAutomaton  # noqa: E402
 from blink_appliance.wire.request import SamplingParams  # noqa: E402
 
-SHIPPED = "8192/1024/256/2048"
-
 
 def automaton(vocab: int, eos: set[int], width: int, seed: int) -> TokenAutomaton:
     """One state that allows `width` random tokens and leads back to itself, never accepting: the
@@ -50,34 +48,22 @@ def automaton(vocab: int, eos: set[int], width: int, seed: int) -> TokenAutomato
 async def loop_cases(args) -> dict:
     import torch
 
-    from bench.loop_rig import LoopRig
-    from bench.prompt_scoring import drive, prompt, stream
-    from blink_appliance.engine.loop.geometry import loop_geometry
-    from blink_appliance.engine.plan import resolve_plan
+    from bench.prompt_scoring import drive, prompt, shipped_loop, stream
     from blink_appliance.model.loaders import load_checkpoint
-    from blink_appliance.profile import parse_profile, ring_geometry
     from blink_appliance.wire.ring_layout import EngineState
 
     ckpt = load_checkpoint(args.model, seed=0)
-    mml, slots, seqs, budget = (int(x) for x in SHIPPED.split("/"))
-    model = {
-        "name": "constrained", "source": args.model, "dtype": "bfloat16", "device": "cuda:0", "max_seqs": seqs,
-        "max_model_len": mml, "max_num_batched_tokens": budget, "block_size": 16, "kv_fraction": 0.85,
-    }  # fmt: skip
-    profile = parse_profile(
-        {
-            "models": [model],
-            "engine": {"num_slots": slots},
-            "frontend": {"max_inflight": slots, "constraint_words": 1 << 24},  # 64 wide automata at once
-        },
-        origin=SHIPPED,
-    )
-    plan = resolve_plan(profile.model, ckpt.config)
-    geometry, ring = loop_geometry(profile, plan, ckpt.config), ring_geometry(profile)
-    rig = LoopRig.build(ring, geometry, checkpoint=ckpt, dtype=torch.bfloat16, device="cuda:0", in_loop=True)
+    # 64 wide automata in flight at once: a larger constraint area than the default
+    rig = shipped_loop(ckpt, args.model, {}, {"constraint_words": 1 << 24})
+    geometry = rig.step.geometry
     client = rig.client()
     eos, vocab = set(geometry.eos_token_ids), geometry.vocab_size
-    out: dict = {"device": torch.cuda.get_device_name(0), "geometry": SHIPPED, "batch": 64, "cases": {}}
+    out: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "geometry": "8192/1024/256/2048",
+        "batch": 64,
+        "cases": {},
+    }
     try:
         rig.heartbeat()
         rig.region.store("engine_state", EngineState.RUNNING)

@@ -18,20 +18,19 @@ if not torch.cuda.is_available():
 from blink_appliance.kernels.constraint import mask_rows  # noqa: E402
 
 from blink_appliance.engine.reference.constraint import allowed_tokens, mask_constrained  # noqa: E402
-from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine  # noqa: E402
 from blink_appliance.engine.reference.sequence import Sequence  # noqa: E402
 from blink_appliance.model.loaders import build_model  # noqa: E402
 from blink_appliance.wire.automaton import TokenAutomaton  # noqa: E402
-from blink_appliance.wire.request import Request, SamplingParams  # noqa: E402
+from blink_appliance.wire.request import SamplingParams  # noqa: E402
 from tests.scheduler_twin import Twin, unmap_rings  # noqa: E402, F401 (unmap_rings: autouse fixture)
 from tests.test_loop_step import (  # noqa: E402
-    ENGINE,
     HAVE_GPU_STACK,
     SAMPLED,
     TARGETS,
     checkpoint,
     greedy,
     prompt,
+    reference_events,
     run_workload,
 )
 from tests.twin_front_end import LOOP  # noqa: E402
@@ -122,11 +121,7 @@ async def test_loop_constrained_streams_equal_the_reference_engine(target):
     streams, _, _ = await run_workload(workload, target=target)
     model = build_model(checkpoint(), torch.float32, "cpu")
     for name, _, tokens, params in workload:
-        engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
-        engine.add_request(Request(0, tokens, params))
-        want = []
-        while engine.has_unfinished():
-            want += [e for e in engine.step() if e.token_id is not None]
+        want = reference_events(model, tokens, params)
         got = [e for e in streams[name] if e.token_id is not None]
         assert [e.token_id for e in got] == [e.token_id for e in want], name
         if params.logprobs is not None:

@@ -27,6 +27,7 @@ from tests.test_loop_step import (  # noqa: E402
     checkpoint,
     greedy,
     prompt,
+    reference_events,
     run_workload,
 )
 
@@ -56,11 +57,7 @@ async def test_loop_logprobs_and_penalties_equal_the_reference_engine(target):
     model = build_model(checkpoint(), torch.float32, "cpu")
     streams, _, _ = await run_workload(LOGPROB_WORKLOAD, target=target)
     for name, _, tokens, params in LOGPROB_WORKLOAD:
-        engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
-        engine.add_request(Request(0, tokens, params))
-        want = []
-        while engine.has_unfinished():
-            want += [e for e in engine.step() if e.token_id is not None]
+        want = reference_events(model, tokens, params)
         got = [e for e in streams[name] if e.token_id is not None]
         assert [e.token_id for e in got] == [e.token_id for e in want], name
         if params.penalized:  # the penalties changed the stream (else the test would not see them)
@@ -100,11 +97,7 @@ async def test_loop_prompt_logprobs_equal_the_reference_engine(target):
     model = build_model(checkpoint(), torch.float32, "cpu")
     streams, loop, _ = await run_workload(ECHO_WORKLOAD, target=target, geometry=ECHO_GEOMETRY)
     for name, _, tokens, params in ECHO_WORKLOAD:
-        engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
-        engine.add_request(Request(0, tokens, params))
-        want = []
-        while engine.has_unfinished():
-            want += [e for e in engine.step() if e.token_id is not None]
+        want = reference_events(model, tokens, params)
         got = [e for e in streams[name] if e.token_id is not None]
         assert [e.token_id for e in got] == [e.token_id for e in want], name
         assert all(_close(g.logprobs, w.logprobs) for g, w in zip(got, want, strict=True)), name

@@ -302,6 +302,16 @@ async def test_loop_with_the_prefix_cache_streams_what_the_reference_streams_alo
     assert int(loop.state.free_top[0]) + int(loop.state.lru_words[2]) == GEOMETRY.num_kv_blocks
 
 
+def reference_events(model, tokens: list[int], params: SamplingParams) -> list:
+    """The token events of one request run alone by the CPU reference engine (ENGINE's numbers)."""
+    engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
+    engine.add_request(Request(0, tokens, params))
+    events = []
+    while engine.has_unfinished():
+        events += [e for e in engine.step() if e.token_id is not None]
+    return events
+
+
 def _close(got, want) -> bool:
     """Two TokenLogprobs agree: the token, its logprob and the alternatives' within 1e-3, same ids."""
     if got is None or want is None:
@@ -323,12 +333,7 @@ async def test_loop_with_the_real_gpu_forward_matches_the_reference():
     tokens = prompt(9, 5)
     params = greedy(2, logprobs=2, prompt_logprobs=True)
     streams, loop, _ = await run_workload([("two", 0, tokens, params)], target="cpu-real", geometry=geometry)
-    model = build_model(checkpoint(), torch.float32, "cpu")
-    engine = LLMEngine(model, EngineConfig(seed=0, **ENGINE))
-    engine.add_request(Request(0, tokens, params))
-    want = []
-    while engine.has_unfinished():
-        want += [e for e in engine.step() if e.token_id is not None]
+    want = reference_events(build_model(checkpoint(), torch.float32, "cpu"), tokens, params)
     got = streams["two"]
     assert [e.token_id for e in got] == [e.token_id for e in want] and got[-1].finished
     assert all(_close(g.logprobs, w.logprobs) for g, w in zip(got, want, strict=True))
