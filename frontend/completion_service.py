@@ -23,6 +23,7 @@ from blink_appliance.frontend.logprobs import ChoiceLogprobs, LogprobEntry, Toke
 from blink_appliance.frontend.metrics import ServingMetrics
 from blink_appliance.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from blink_appliance.frontend.stop_strings import StopStringMatcher
+from blink_appliance.frontend.tool_calls import tool_mode
 
 from blink_appliance.wire.client import EngineBusyError, EngineDeadError
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
@@ -195,8 +196,6 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
-        from blink_appliance.frontend.tool_calls import tool_mode
-
         mode = tool_mode(req.tools, req.tool_choice)
         ids = await self.chat_prompt_ids(req.template_messages())
         constraint = await self._constraint(req, mode.schema if mode is not None else None)
@@ -209,6 +208,7 @@ class CompletionService:
     async def _constraint(self, req: _SamplingRequest, tool_schema: Any = None) -> Any:
         """The request's structured-output automaton (compiled in a worker thread: a new schema takes
         up to a second or so), or None. `tool_schema`: what a tool call's reply must match."""
+        # Imported here: outlines-core loads only once a request asks for a constraint.
         from blink_appliance.frontend.structured_output import constraint_regex
 
         found = constraint_regex(req.response_format, req.guided_json, req.guided_regex, req.guided_choice)
