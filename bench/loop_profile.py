@@ -343,9 +343,7 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
                     break
     finally:
         await client.close()
-        if rig.loop is not None and rig.loop.running():
-            rig.loop.stop(timeout_s=5.0)
-        rig.close()
+        rig.shut_down()
     return out
 
 

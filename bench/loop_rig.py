@@ -126,6 +126,12 @@ class LoopRig:
             self.step.host_step()
         return time.monotonic() - t0
 
+    def shut_down(self) -> None:
+        """Stop the device loop if it still runs, then close: a bench's teardown."""
+        if self.loop is not None and self.loop.running():
+            self.loop.stop(timeout_s=5.0)
+        self.close()
+
     def close(self) -> None:
         """Free the loop and unmap the ring. A loop that is still running keeps its mapping: unmapping
         memory a kernel polls would fault it."""

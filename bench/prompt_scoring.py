@@ -183,9 +183,7 @@ async def loop_cost(ckpt, args, score_chunk: int) -> dict:
             )
     finally:
         await client.close()
-        if rig.loop is not None and rig.loop.running():
-            rig.loop.stop(timeout_s=5.0)
-        rig.close()
+        rig.shut_down()
     return out
 
 

@@ -96,9 +96,7 @@ async def loop_cases(args) -> dict:
             print(f"{name}: TPOT P50 {case['p50'][-1]:.3f} ms, P99 {case['p99'][-1]:.3f} ms")
     finally:
         await client.close()
-        if rig.loop is not None and rig.loop.running():
-            rig.loop.stop(timeout_s=5.0)
-        rig.close()
+        rig.shut_down()
         gc.collect()
     base = statistics.median(out["cases"]["plain"]["p50"])
     for case in out["cases"].values():
