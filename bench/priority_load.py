@@ -22,8 +22,11 @@ import argparse
 import asyncio
 import datetime
 import json
+import multiprocessing
 import random
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.frontend_load import child_pid, cpu_s, folded_summary  # noqa: E402
 from bench.http_sweep import (  # noqa: E402
     MODEL_NAME,
     Geometry,
@@ -81,8 +85,22 @@ async def ls_phase(url: str, args: argparse.Namespace) -> tuple[dict[str, Any], 
         "requests": n, "completed": len(done), "failed": n - len(done),
         "ttft_p50_ms": ms(ttfts, 50), "ttft_p99_ms": ms(ttfts, 99),
         "tpot_p50_ms": ms(tpots, 50), "tpot_p99_ms": ms(tpots, 99),
+        "ttft_slowest_ms": [round(t * 1e3, 1) for t in sorted(ttfts)[-5:]],
     }  # fmt: skip
     return out, sum(r.output_tokens for r in done)
+
+
+def be_process(url: str, args: argparse.Namespace, priority: int, stop: Any, out: Any) -> None:
+    """The BE load in a process of its own: its client work (256 responses of 2k tokens parsed at
+    once) must not delay the LS clients' sends and reads, which the phase times."""
+
+    async def until_stopped() -> dict[str, Any]:
+        done = asyncio.Event()
+        waiter = asyncio.create_task(asyncio.to_thread(stop.wait))
+        waiter.add_done_callback(lambda _: done.set())
+        return await be_load(url, args, priority, done)
+
+    out.put(asyncio.run(until_stopped()))
 
 
 async def be_load(url: str, args: argparse.Namespace, priority: int, stop: asyncio.Event) -> dict[str, Any]:
@@ -111,12 +129,42 @@ async def be_load(url: str, args: argparse.Namespace, priority: int, stop: async
     return counts
 
 
+async def health_latency(url: str, stop: asyncio.Event, every_s: float = 0.02) -> list[float]:
+    """GET /health every `every_s` until `stop`: how long the front end's event loop takes to answer."""
+    import aiohttp
+
+    took: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            async with session.get(f"{url}/health") as response:
+                await response.read()
+            took.append(time.perf_counter() - t0)
+            await asyncio.sleep(every_s)
+    return took
+
+
 async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     be_priority = {"priority": 1, "fcfs": 0, "be_alone": 1}.get(name)
-    stop = asyncio.Event()
-    be = asyncio.create_task(be_load(url, args, be_priority, stop)) if be_priority is not None else None
-    if be is not None:
+    spawn = multiprocessing.get_context("spawn")
+    stop, be_out = spawn.Event(), spawn.Queue()
+    be = None
+    if be_priority is not None:
+        be = spawn.Process(target=be_process, args=(url, args, be_priority, stop, be_out), daemon=True)
+        be.start()
         await asyncio.sleep(args.be_warmup_s)  # the BE clients fill the running batch first
+    frontend = child_pid("blink_appliance.frontend")
+    cpu0 = cpu_s(frontend) if frontend else 0.0
+    probe_stop = asyncio.Event()
+    probe = asyncio.create_task(health_latency(url, probe_stop))
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    folded = args.out.parent / f"{args.out.stem}-{name}.folded"
+    sampler = None
+    if args.profile_frontend and spy and frontend:
+        sampler = subprocess.Popen(
+            [spy, "record", "-p", str(frontend), "-d", str(int(args.seconds)), "-r", "200", "-f", "raw",
+             "-o", str(folded), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
     tokens0, t0 = await asyncio.to_thread(generated_tokens, url), time.monotonic()
     if name == "be_alone":
         await asyncio.sleep(args.seconds)
@@ -124,9 +172,19 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     else:
         result, ls_tokens = await ls_phase(url, args)
     tokens1, seconds = await asyncio.to_thread(generated_tokens, url), time.monotonic() - t0
+    probe_stop.set()
+    health = await probe
+    # The one front end carries every stream: its CPU and how late it answers /health.
+    result["frontend_cpu_share"] = round((cpu_s(frontend) - cpu0) / seconds, 3) if frontend else None
+    result["health_p50_ms"], result["health_p99_ms"] = ms(health, 50), ms(health, 99)
+    if sampler is not None:
+        await asyncio.to_thread(sampler.wait, args.seconds + 60)
+        if folded.exists():
+            result["frontend_profile"] = folded_summary(folded, "frontend/", 12)
     stop.set()
     if be is not None:
-        result["be"] = await be
+        result["be"] = await asyncio.to_thread(be_out.get, True, 120)
+        be.join(30)
         result["be_tokens_per_s"] = round((tokens1 - tokens0 - ls_tokens) / seconds, 1)
     result["seconds"] = round(seconds, 2)
     return result
@@ -143,15 +201,20 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--lower-class-limit", type=int, default=0, help="[engine] lower_class_limit (0: off)")
+    ap.add_argument(
+        "--lower-class-limit",
+        type=int,
+        default=None,
+        help="[engine] lower_class_limit (0: pause; default: no cap)",
+    )
     ap.add_argument("--aging-steps", type=int, default=0, help="[engine] priority_aging_steps (0: off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-frontend", action="store_true", help="sample the front end with py-spy")
     ap.add_argument("--out", type=Path, required=True)
     args = model_defaults(ap.parse_args())
-    args.engine_lines = [
-        f"lower_class_limit = {args.lower_class_limit}",
-        f"priority_aging_steps = {args.aging_steps}",
-    ]
+    args.engine_lines = [f"priority_aging_steps = {args.aging_steps}"]
+    if args.lower_class_limit is not None:
+        args.engine_lines.append(f"lower_class_limit = {args.lower_class_limit}")
     geo = Geometry.parse(args.geometry)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

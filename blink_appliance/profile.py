@@ -252,9 +252,10 @@ class EngineSection(_Section):
     # the most urgent live request's class); 0: no aging. Both engines (docs/engine.md, "Scheduling").
     priority_aging_steps: int = Field(default=0, ge=0, le=2**31 - 1)
     # While a request of the most urgent running class runs, at most this many running requests of
-    # lower classes (the rest are preempted, and no more are admitted), so the urgent one decodes in a
-    # small batch; 0: no cap. Both engines (docs/engine.md, "Scheduling").
-    lower_class_limit: int = Field(default=0, ge=0, le=2**31 - 1)
+    # lower classes step beside it (the rest are held, keeping their KV, and no more are admitted), so
+    # the urgent one decodes in a small batch; 0 pauses the lower classes; unset: no cap. Both engines
+    # (docs/engine.md, "Scheduling").
+    lower_class_limit: int | None = Field(default=None, ge=0, le=2**31 - 1)
     # Reuse the KV blocks of prompt prefixes already computed (docs/engine.md, "Prefix cache"). Both engines.
     prefix_cache: bool = True
 

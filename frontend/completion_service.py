@@ -24,6 +24,7 @@ from blink_appliance.frontend.metrics import ServingMetrics
 from blink_appliance.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from blink_appliance.frontend.stop_strings import StopStringMatcher
 from blink_appliance.frontend.tool_calls import tool_mode
+from blink_appliance.frontend.turns import Turns
 
 from blink_appliance.wire.client import EngineBusyError, EngineDeadError
 from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
@@ -43,7 +44,7 @@ class EngineClientLike(Protocol):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Any: ...
 
-    def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]: ...
+    def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]: ...
 
     def abandon(self, request_id: int) -> None: ...
 
@@ -156,6 +157,7 @@ class CompletionService:
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts and bytes
         self.draining = False
         self._inflight = _Inflight()
+        self._turns = Turns()  # whole responses hand their tokens over in turns
         self._inflight.idle.set()
 
     # -- admission ----------------------------------------------------------------------------
@@ -208,7 +210,6 @@ class CompletionService:
     async def _constraint(self, req: _SamplingRequest, tool_schema: Any = None) -> Any:
         """The request's structured-output automaton (compiled in a worker thread: a new schema takes
         up to a second or so), or None. `tool_schema`: what a tool call's reply must match."""
-        # Imported here: outlines-core loads only once a request asks for a constraint.
         from blink_appliance.frontend.structured_output import constraint_regex
 
         found = constraint_regex(req.response_format, req.guided_json, req.guided_regex, req.guided_choice)
@@ -420,7 +421,12 @@ class CompletionService:
         try:
             # Tokens that reached the front end together go out as one piece: under load (many
             # streams, one front-end core) per-token work is what sets the pace.
-            events = self.client.stream_batches(request_id)
+            # A whole response needs its tokens only at the end, unless stop strings may end it early;
+            # it then hands them over in turns (frontend/turns.py).
+            whole = not prep.stream and not prep.stop_strings
+            events = self.client.stream_batches(request_id, whole=whole)
+            if whole:
+                events = self._turns.sliced(events, prep.priority)
             async with contextlib.aclosing(events):  # leaving early cancels in the engine
                 async for batch in events:
                     now, last_stamp, text = time.monotonic_ns(), batch[-1].timestamp_ns, ""

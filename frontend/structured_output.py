@@ -14,20 +14,25 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blink_appliance.frontend.errors import APIError, bad_request
 from blink_appliance.frontend.logprobs import TokenStrings
-from outlines_core import Index, Vocabulary
-from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE, build_regex_from_schema
 
 from blink_appliance.wire.automaton import TokenAutomaton
+
+if TYPE_CHECKING:
+    from outlines_core import Vocabulary
+
+# outlines-core is imported where it is used: a request without a constraint must not load it.
 
 CACHE_SIZE = 64  # compiled automata kept per model
 
 
 def _members(value: str) -> str:
     """A JSON object whose member values are `value`."""
+    from outlines_core.json_schema import STRING, WHITESPACE
+
     member = f"{STRING}{WHITESPACE}:{WHITESPACE}{value}"
     return rf"\{{{WHITESPACE}({member}({WHITESPACE},{WHITESPACE}{member})*)?{WHITESPACE}\}}"
 
@@ -36,6 +41,8 @@ def _json_object_regex() -> str:
     """`json_object`: any JSON object whose values nest at most two levels. outlines-core's schema
     {"type": "object"} nests deeper and compiles to ~6.6M words over a 49k vocabulary (12 s); this
     one stays small."""
+    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE
+
     scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
     flat_array = rf"\[{WHITESPACE}({scalar}({WHITESPACE},{WHITESPACE}{scalar})*)?{WHITESPACE}\]"
     return _members(f"({scalar}|{flat_array}|{_members(scalar)})")
@@ -72,6 +79,8 @@ def constraint_regex(
         and response_format.get("type") == "json_object"
     ):
         return _json_object_regex(), param
+    from outlines_core.json_schema import build_regex_from_schema
+
     schema = guided_json if param == "guided_json" else _response_format_schema(response_format)
     try:
         text = schema if isinstance(schema, str) else json.dumps(schema)
@@ -108,6 +117,8 @@ class ConstraintCompiler:
         self._cache: OrderedDict[str, TokenAutomaton] = OrderedDict()
 
     def _vocab(self) -> Vocabulary:
+        from outlines_core import Vocabulary
+
         if self._vocabulary is None:
             strings = TokenStrings(self.tokenizer)
             special = {
@@ -127,6 +138,8 @@ class ConstraintCompiler:
         if regex in self._cache:
             self._cache.move_to_end(regex)
             return self._cache[regex]
+        from outlines_core import Index
+
         try:
             index = Index(regex, self._vocab())
         except (ValueError, RuntimeError, TypeError) as exc:

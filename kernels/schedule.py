@@ -247,8 +247,8 @@ def schedule_kernel(
             BLOCK_R, BLOCK_STOP, BLOCK_P, SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
         )  # fmt: skip
 
-        # 4. The batch: with LIMIT > 0 the running ones of a lower class than the most urgent running
-        # one beyond LIMIT are preempted; running sequences in (class, admission) order get their
+        # 4. The batch: with LIMIT >= 0 the running ones of a lower class than the most urgent running
+        # one beyond LIMIT are held; the other running sequences in (class, admission) order get their
         # chunks (preempting the last ones when blocks run out), then waiting slots are admitted into
         # what is left, preempting running ones of a strictly lower class when they do not fit.
         top, lru_head, lru_tail, n_cached, next_run_order, nseq, ntot, nsamp, sampler_index, n_preempted, n_queried, n_hit = (

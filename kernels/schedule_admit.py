@@ -27,7 +27,7 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 @triton.jit
 def admit_waiting(
-    budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock, scoring,
+    budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, clock, scoring,
     ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
     S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr, PBS: tl.constexpr,
@@ -40,8 +40,8 @@ def admit_waiting(
     cached blocks it takes that nobody holds); else, if the last running sequence in running order is
     of a strictly lower class, that one is preempted (its chunk taken back) and the head tried again.
     Stops at a head that still does not fit, that this step preempted, that the class cap holds back,
-    or that scores its prompt while another sequence does (`scoring`). m: running sequences the class
-    cap kept. Admitted slots join the batch after the running ones. Returns (n_k, nb_k, pre_k, top,
+    or that scores its prompt while another sequence does (`scoring`). m: running sequences. Admitted
+    slots join the batch after the running ones. Returns (n_k, nb_k, pre_k, top,
     head, tail, n_cached, next_run_order, how many it preempted, (admitted sequences, their tokens,
     their sample rows, the sampler variant they need), prefix cache tokens looked up and found)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -79,9 +79,7 @@ def admit_waiting(
             adm_qs = tl.zeros([BLOCK_D], tl.int32)
             adm_row = tl.full([BLOCK_D], -1, tl.int32)
             adm_eff = tl.zeros([BLOCK_D], tl.int64)
-            # Slots this step preempted (WAITING again, not readmitted now), at their base priority.
-            victims_d = _capped_slots(st, md, n_capped, offs_d, slots, LIMIT, SLOT)
-            eff_d = tl.where(victims_d, pri_d.to(tl.int64), eff_d)
+            victims_d = offs_d < 0  # slots this step preempted (WAITING again, not readmitted now)
             popped = tl.full([], 0, tl.int32)  # blocks of admissions not yet popped (pops are deferred)
             n_flushed = tl.full([], 0, tl.int32)  # admissions whose blocks are popped
             while go:
@@ -169,6 +167,7 @@ def admit_waiting(
                     n_victims += 1
                     victims_d = victims_d | (offs_d == v_slot)
                     eff_d = tl.where(offs_d == v_slot, pri_d.to(tl.int64), eff_d)  # back at its base priority
+            n_k = _take_back_held(n_k, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT)
             next_run_order, sampler_index = _store_admitted(
                 adm_rank, adm_n, adm_hits, adm_need, adm_qs, adm_row, adm_eff, next_run_order, n_new,
                 ms, ntok_k, ncomp_k, n_k, offs_d, slots, step, BS, SLOT,
@@ -219,23 +218,12 @@ def _effective_priority(pri_d, live, waiting, clock, offs_d, slots, AGING: tl.co
 
 
 @triton.jit
-def _capped_slots(st, md, n_capped, offs_d, slots, LIMIT: tl.constexpr, SLOT: tl.constexpr):
-    """The slots the class cap preempted this step (cap_lower_classes stored them WAITING)."""
-    capped = offs_d < 0
-    if LIMIT > 0:
-        if n_capped > 0:
-            now = tl.load(slots.slot_state + offs_d, mask=md, other=SLOT.FREE)
-            capped = md & (st == SLOT.RUNNING) & (now == SLOT.WAITING)
-    return capped
-
-
-@triton.jit
 def _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT: tl.constexpr):
-    """Scheduler._capped: with LIMIT > 0, a head of effective priority w_pri is held back when it is of
-    a class below the most urgent running one (this step's admissions counted) while LIMIT running
-    sequences already are."""
+    """Scheduler._capped: with LIMIT >= 0, a head of effective priority w_pri is held back when it is
+    of a class below the most urgent running one (this step's admissions counted) while LIMIT running
+    sequences already are (held ones counted)."""
     capped = w_pri < w_pri
-    if LIMIT > 0:
+    if LIMIT >= 0:
         kept = ms & (pre_k == 0)
         adm = adm_rank >= 0
         top_class = tl.minimum(
@@ -247,6 +235,24 @@ def _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT: tl.constexpr
         )
         capped = (w_pri > top_class) & (n_lower >= LIMIT)
     return capped
+
+
+@triton.jit
+def _take_back_held(n_k, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT: tl.constexpr):
+    """The end of Scheduler phase 3: with LIMIT >= 0, the running sequences the class cap holds once
+    this step's admissions count (of a class below the most urgent one, beyond the first LIMIT in
+    run order) give their chunk back; the blocks it took stay theirs. Admissions never are among
+    them: a lower-class head is admitted only while fewer than LIMIT such sequences run."""
+    if LIMIT >= 0:
+        kept = ms & (pre_k == 0)
+        top_class = tl.minimum(
+            tl.min(tl.where(kept, rp_k.to(tl.int64), _INT64_MAX), 0),
+            tl.min(tl.where(adm_rank >= 0, adm_eff, _INT64_MAX), 0),
+        )
+        lower = kept & (rp_k.to(tl.int64) > top_class)
+        rank = tl.cumsum(lower.to(tl.int32), 0) - lower.to(tl.int32)
+        n_k = tl.where(lower & (rank >= LIMIT), 0, n_k)
+    return n_k
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Schedule's batch: which sequences run this step and how many tokens each, as the reference
 Scheduler.schedule picks them (with a class cap, the running ones of a lower class than the most
-urgent running one beyond the cap preempted first; running sequences in (class, admission) order: decodes first, prefill
+urgent running one beyond the cap held; the others in (class, admission) order: decodes first, prefill
 chunks in the rest of the token budget, KV blocks from the free stack, recompute preemption of the
 last in that order; then admission of waiting slots in (effective priority, arrival) order, which
 preempts running slots of a strictly lower class when the head does not fit), written into the step
@@ -35,40 +35,21 @@ def build_batch(
     Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
     BLOCK_SCORE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
-    """The step's batch (Scheduler.schedule): the class cap, running slots in running order get their
-    chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
+    """The step's batch (Scheduler.schedule): the class cap's hold, running slots in running order get
+    their chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
     (stack top, LRU head, tail and live count, next_run_order, sequences, tokens, sample rows, sampler
     variant, preemptions, prefix cache tokens looked up and found)."""
     m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k = order_running(
         st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
     )
-    m, pre_k, nb_k, top, tail, n_cached, n_capped = cap_lower_classes(
-        m,
-        ms,
-        ks,
-        nb_k,
-        rp_k,
-        top,
-        tail,
-        n_cached,
-        offs_s,
-        free_blocks_ptr,
-        slots,
-        blocks,
-        MAXB,
-        BLOCK_S,
-        BLOCK_J,
-        Q,
-        LIMIT,
-        SLOT,
-    )  # fmt: skip  (m: the running ones it kept, the first m in running order)
-    want_k, scoring = prompt_scorer(m, ks, ntok_k, ncomp_k, offs_s, slots, SCORE, BLOCK_S)
+    hold_k = hold_lower_classes(m, ms, rp_k, offs_s, LIMIT)
+    want_k, scoring = prompt_scorer(m, ks, ntok_k, ncomp_k, hold_k, offs_s, slots, SCORE, BLOCK_S)
     n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted = fill_budget(
-        top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots,
+        top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, hold_k, nb_k, offs_s, free_blocks_ptr, slots,
         blocks, MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, C, Q, BLOCK_L,
     )  # fmt: skip
     n_k, nb_k, pre_k, top, head, tail, n_cached, next_run_order, n_victims, new, n_queried, n_hit = admit_waiting(
-        budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, n_capped, clock, scoring,
+        budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, clock, scoring,
         ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
         S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
     )  # fmt: skip
@@ -94,7 +75,7 @@ def build_batch(
         ntot + ntot_new,
         nsamp + nsamp_new,
         sampler_index,
-        n_capped + n_preempted + n_victims,
+        n_preempted + n_victims,
         n_queried,
         n_hit,
     )
@@ -141,58 +122,44 @@ def order_running(
 
 
 @triton.jit
-def prompt_scorer(m, ks, ntok_k, ncomp_k, offs_s, slots, SCORE: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Scheduler phase 6 over the first m running sequences: the first one prefilling with prompt
-    positions left to score wants at most SCORE tokens, the other such ones none this step. Returns
-    (the tokens each wants, whether one of them scores)."""
+def prompt_scorer(m, ks, ntok_k, ncomp_k, hold_k, offs_s, slots, SCORE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Scheduler phase 6 over the first m running sequences: the first one not held prefilling with
+    prompt positions left to score wants at most SCORE tokens, the other such ones none this step.
+    Returns (the tokens each wants, whether one of them scores)."""
     rem_k = ntok_k - ncomp_k
     live = offs_s < m
     scores_k = live & (
         tl.load(slots.lp_next + ks, mask=live, other=0) < tl.load(slots.prompt_len + ks, mask=live, other=0)
     )
-    prefilling = scores_k & (rem_k != 1)
+    prefilling = scores_k & (rem_k != 1) & ~hold_k
     first = tl.min(tl.where(prefilling, offs_s, BLOCK_S), 0)
     want_k = tl.where(prefilling, tl.where(offs_s == first, tl.minimum(rem_k, SCORE), 0), rem_k)
     return want_k, first < BLOCK_S
 
 
 @triton.jit
-def cap_lower_classes(
-    m, ms, ks, nb_k, rp_k, top, tail, n_cached, offs_s, free_blocks_ptr, slots, blocks,
-    MAXB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr, LIMIT: tl.constexpr,
-    SLOT: tl.constexpr,
-):  # fmt: skip
-    """Phase 0 (Scheduler._cap_lower_classes): with LIMIT > 0, the running sequences of a class below
-    the most urgent running one beyond LIMIT are preempted, the last in running order first: the
-    tail of the run order lets go of its blocks from the last one on. Their slot state is WAITING from
-    here on (admit_waiting reads it back; store_running writes the rest). Returns (the running ones
-    kept, the first in run order, the preempted flags, blocks held, top, tail, n_cached, how many)."""
-    pre_k = tl.zeros([BLOCK_S], tl.int32)
-    n_capped = tl.full([], 0, tl.int32)
-    if LIMIT > 0:
+def hold_lower_classes(m, ms, rp_k, offs_s, LIMIT: tl.constexpr):
+    """Phase 0 (Scheduler._held): with LIMIT >= 0, the running sequences of a class below the most
+    urgent running one beyond the first LIMIT of them (the tail of the run order) are held: no tokens
+    this step, blocks kept. Returns the held lanes."""
+    hold_k = offs_s < 0
+    if LIMIT >= 0:
         top_class = tl.min(tl.where(ms, rp_k, _INT32_MAX), 0)
         n_lower = tl.sum((ms & (rp_k > top_class)).to(tl.int32), 0)
-        n_capped = tl.maximum(n_lower - LIMIT, 0)
-        if n_capped > 0:
-            victim = ms & (offs_s >= m - n_capped)
-            top, tail, n_cached = release_lanes(victim, offs_s, ks, nb_k, top, tail, n_cached, slots.block_table,
-                                                free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, True)  # fmt: skip
-            pre_k = tl.where(victim, 1, pre_k)
-            nb_k = tl.where(victim, 0, nb_k)
-            tl.store(slots.slot_state + ks, tl.full([BLOCK_S], SLOT.WAITING, tl.int32), mask=victim)
-            tl.debug_barrier()  # the states are visible before the fill pops blocks
-    return m - n_capped, pre_k, nb_k, top, tail, n_cached, n_capped
+        hold_k = ms & (offs_s >= m - tl.maximum(n_lower - LIMIT, 0))
+    return hold_k
 
 
 @triton.jit
 def fill_budget(
-    top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, nb_k, pre_k, offs_s, free_blocks_ptr, slots, blocks,
+    top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, hold_k, nb_k, offs_s, free_blocks_ptr, slots, blocks,
     MAX_BATCHED: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr, C: tl.constexpr, Q: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
-    """The budget fill (Scheduler.schedule phases 1-2) of the first m running sequences in run order
-    (those the class cap kept), in rounds (store_running stores the outcome once admission is done).
-    want_k: the tokens each prefilling one wants (its uncomputed ones, or fewer: prompt_scorer).
+    """The budget fill (Scheduler.schedule phases 1-2) of the m running sequences in run order, in
+    rounds (store_running stores the outcome once admission is done). want_k: the tokens each
+    prefilling one wants (its uncomputed ones, or fewer: prompt_scorer); hold_k: lanes the class cap
+    holds (no tokens, but victims like any other).
     Returns (each one's chunk, blocks held and preempted flag, the budget left, top, head, tail,
     n_cached, how many it preempted).
 
@@ -205,21 +172,23 @@ def fill_budget(
     block_table_ptr = slots.block_table
     rem_k = ntok_k - ncomp_k
     n_k = tl.zeros([BLOCK_S], tl.int32)
+    pre_k = tl.zeros([BLOCK_S], tl.int32)
     zeros = tl.zeros([BLOCK_S], tl.int32)
     budget = tl.full([], MAX_BATCHED, tl.int32)
     i0 = tl.full([], 0, tl.int32)
     hi = m - 1
     while i0 <= hi:
         act = (offs_s >= i0) & (offs_s <= hi)
-        dec = act & (rem_k == 1)
-        pref = act & (rem_k != 1)
+        dec = act & (rem_k == 1) & ~hold_k
+        pref = act & (rem_k != 1) & ~hold_k
         prefill_budget = budget - tl.sum(dec.to(tl.int32), 0)
         prem = tl.where(pref, want_k, 0)
         wanted_before = tl.cumsum(prem, 0) - prem  # by the round's earlier prefills
         n = tl.where(
             dec, 1, tl.where(pref, tl.minimum(tl.maximum(prefill_budget - wanted_before, 0), want_k), 0)
         )
-        need = tl.where(n > 0, (ncomp_k + n + BS - 1) // BS - nb_k, 0)
+        # (a chunk taken back by admission leaves its blocks: a sequence may hold more than it needs)
+        need = tl.where(n > 0, tl.maximum((ncomp_k + n + BS - 1) // BS - nb_k, 0), 0)
         cum_need = tl.cumsum(need, 0)
         kstar = tl.min(tl.where(act & (cum_need > top + n_cached), offs_s, BLOCK_S), 0)
         ok = act & (offs_s < kstar)

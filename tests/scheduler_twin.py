@@ -70,7 +70,7 @@ class RefStep:
     batch: object  # ForwardBatch or None
     sampling: list[tuple[int, SamplingParams, int, int]]  # request id, params, seed, output index
     preempted: list[int] = field(default_factory=list)  # request ids, in preemption order
-    capped: int = 0  # how many of them the class cap (phase 0) preempted
+    held: int = 0  # running sequences the class cap (phase 0) held
     scored: list[tuple[object, int, list[int]]] = field(
         default_factory=list
     )  # (sequence, token row, positions)
@@ -84,7 +84,7 @@ class Stats:
     preemptions: int = 0
     admitted_while_running: int = 0
     preempted_for_admission: int = 0  # steps whose admission preempted running sequences
-    capped: int = 0  # preemptions by the class cap (lower_class_limit)
+    held: int = 0  # sequence-steps the class cap (lower_class_limit) held
     finishes: list[tuple[int, int, int]] = field(default_factory=list)  # (channel, finish code, error code)
 
     def last_finish(self, channel: int) -> tuple[int, int]:
@@ -184,7 +184,7 @@ class Twin:
             if positions:
                 scored.append((c.seq, row + positions[0] - 1 - c.start, positions))
             row += c.num_tokens
-        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted], out.capped, scored)
+        return RefStep(chunks, batch, sampling, [q.request_id for q in out.preempted], out.held, scored)
 
     def _reference_iteration(self) -> tuple[RefStep, list[TokenEvent]]:
         """EngineServer.run's loop body (without the sleep and telemetry)."""
@@ -221,7 +221,7 @@ class Twin:
         self.stats.steps += bool(ref.chunks)
         self.stats.tokens += sum(c.num_tokens for c in ref.chunks)
         self.stats.preemptions += self.engine.scheduler.num_preemptions - preemptions_before
-        self.stats.capped += ref.capped
+        self.stats.held += ref.held
         if running_before and any(c.start == 0 for c in ref.chunks[running_before:]):
             self.stats.admitted_while_running += 1
         # A step that preempted admits only through preemption by a higher class (docs/engine.md).

@@ -54,7 +54,7 @@ def scoring_workload(t: Twin, seed: int, steps: int = 40) -> int:
     return scored
 
 
-@pytest.mark.parametrize(("seed", "cache", "limit"), [(1, False, 0), (2, True, 0), (3, True, 2)])
+@pytest.mark.parametrize(("seed", "cache", "limit"), [(1, False, -1), (2, True, 0), (3, True, 2)])
 def test_prompt_scoring_matches_reference_step_by_step(seed, cache, limit):
     loop = dataclasses.replace(
         LOOP,

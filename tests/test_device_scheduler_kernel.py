@@ -118,7 +118,7 @@ def test_a_record_field_not_where_or_what_the_kernel_reads_is_refused():
         kernel_args.request_fields(with_fields({}))
 
 
-@pytest.mark.parametrize("lower_class_limit", [0, 2])
+@pytest.mark.parametrize("lower_class_limit", [-1, 0])
 def test_kernel_compiles_for_the_h100(lower_class_limit):
     """The GPU path (inline PTX acquire/release on the ring) compiles for sm_90 here, without a GPU:
     the interpreter does not type-check the way the compiler does. Run in a child process, since

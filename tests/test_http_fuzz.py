@@ -48,7 +48,7 @@ class EchoEngine:
         self.prompts[self.next_id] = (list(prompt_ids), params)
         return self.next_id
 
-    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
         ids, params = self.prompts.pop(request_id)
         n = min(params.max_tokens, 4)
         events = [

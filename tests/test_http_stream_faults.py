@@ -32,7 +32,7 @@ class ScriptedEngine:
         self.submitted.append(params)
         return len(self.submitted) - 1
 
-    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
         yield [TokenEvent(request_id, n, None) for n in range(1, self.fail_after + 1)]
         raise self.fail_with or RuntimeError("scripted failure")
 
@@ -87,7 +87,7 @@ async def test_a_request_closed_before_its_stream_opens_is_cancelled_in_the_engi
 class FailingInBatch(ScriptedEngine):
     """Two tokens and the engine's failure event, all in one batch (as a loaded front end gets them)."""
 
-    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
         failure = TokenEvent(request_id, None, FinishReason.ERROR, "engine_failure: scripted")
         yield [TokenEvent(request_id, 1, None), TokenEvent(request_id, 2, None), failure]
 

@@ -38,7 +38,7 @@ class CountingEngine:
         self.submitted.append((list(prompt_ids), params))
         return len(self.submitted) - 1
 
-    async def stream_batches(self, request_id: int) -> AsyncIterator[list[TokenEvent]]:
+    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
         """The first token alone, the rest in one batch: as a loaded front end gets them."""
         ids, params = self.submitted[request_id]
         events = [

@@ -150,3 +150,21 @@ def test_bad_constraints_get_a_400_naming_the_parameter(smollm2):
     regex, p = constraint_regex({"type": "json_object"}, None, None, None)
     with pytest.raises(APIError, match="limit of 1000"):
         small.compile(regex, p)
+
+
+def test_a_request_without_a_constraint_does_not_need_outlines_core():
+    """The front end looks every request's constraint up; one without must not load outlines-core
+    (a serving install that failed to get it still serves plain requests)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['outlines_core'] = None  # import outlines_core now raises ImportError\n"
+        "from blink_appliance.frontend.structured_output import ConstraintCompiler, constraint_regex\n"
+        "assert constraint_regex(None, None, None, None) is None\n"
+        "assert constraint_regex({'type': 'text'}, None, 'a+', None) == ('a+', 'guided_regex')\n"
+        "ConstraintCompiler(None, (2,), 1024)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

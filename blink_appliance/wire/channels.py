@@ -28,21 +28,46 @@ class Pending:
     deadline_ns: int = 0  # when the request times out (0: never)
     payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
     logprobs: LogprobStream | None = None  # the request's rows in the logprob area, when it asked
+    # A whole (not streamed) response: its reader wakes for the first tokens and the terminal only,
+    # so a batch of such requests does not wake a task each per step (EngineClient.stream_batches).
+    defer: bool = False
+    held: list[TokenEvent] = field(default_factory=list)  # deferred events, queued with the terminal
+    woke: bool = False  # tokens were queued already
 
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
         """The first `n` tokens as non-final events."""
-        if self.logprobs is not None and n:
+        if not n:
+            return
+        if self.logprobs is not None:
             for i, (token, stamp, lp) in enumerate(
                 zip(tokens[:n].tolist(), times[:n].tolist(), self.logprobs.take(n), strict=True)
             ):
                 if not self._row_holds(lp.token_id, token, i):
                     return
                 prompt = self.logprobs.prompt()
-                self.queue.put_nowait(TokenEvent(self.request_id, token, None, None, stamp, lp, prompt))
+                self._put(TokenEvent(self.request_id, token, None, None, stamp, lp, prompt))
+        else:
+            # tolist() once: numpy scalar indexing per token was a visible share of a saturated front end.
+            for token, stamp in zip(tokens[:n].tolist(), times[:n].tolist(), strict=True):
+                self._put(TokenEvent(self.request_id, token, timestamp_ns=stamp))
+        self.woke = True
+
+    def _put(self, event: TokenEvent) -> None:
+        if not (self.defer and self.woke):
+            self.queue.put_nowait(event)
             return
-        # tolist() once: numpy scalar indexing per token was a visible share of a saturated front end.
-        for token, stamp in zip(tokens[:n].tolist(), times[:n].tolist(), strict=True):
-            self.queue.put_nowait(TokenEvent(self.request_id, token, timestamp_ns=stamp))
+        self.held.append(event)
+
+    def _flush(self) -> None:
+        for held in self.held:
+            self.queue.put_nowait(held)
+        self.held.clear()
+
+    def _final(self, event: TokenEvent) -> None:
+        """The terminal event, after any deferred ones."""
+        self._flush()
+        self.queue.put_nowait(event)
+        self.terminated = True
 
     def emit_terminal(self, status: np.void, token: int | None, stamp: int) -> None:
         """The engine's terminal event, from the channel's status."""
@@ -58,8 +83,7 @@ class Pending:
             lp, prompt = self.logprobs.take(1)[0], self.logprobs.prompt()
             if not self._row_holds(lp.token_id, token, self.logprobs.taken - 1):
                 return
-        self.queue.put_nowait(TokenEvent(self.request_id, token, reason, error, stamp, lp, prompt))
-        self.terminated = True
+        self._final(TokenEvent(self.request_id, token, reason, error, stamp, lp, prompt))
 
     def _row_holds(self, row_token: int, token: int, index: int) -> bool:
         """A token's logprob row names the token: else the engine published the token before its row
@@ -77,8 +101,7 @@ class Pending:
         """A terminal event of the client's own (timeout, dead engine, corrupt channel), unless the
         stream already has one."""
         if not self.terminated:
-            self.queue.put_nowait(TokenEvent(self.request_id, None, reason, error, time.monotonic_ns()))
-            self.terminated = True
+            self._final(TokenEvent(self.request_id, None, reason, error, time.monotonic_ns()))
 
 
 class ChannelBounds:

@@ -65,7 +65,7 @@ class LoopGeometry:
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # at most MAX_EOS_IDS
     priority_aging_steps: int = 0  # a waiting slot gains one priority level per this many steps; 0: off
-    lower_class_limit: int = 0  # running slots below the most urgent running class, at most; 0: no cap
+    lower_class_limit: int = -1  # lower-class running slots that run beside the top class; -1: no cap
     max_logit_bias: int = MAX_LOGIT_BIAS  # = RingGeometry.max_logit_bias
     prefix_cache: bool = False  # admissions reuse cached prompt blocks (the ring carries block hashes)
     prompt_score_chunk: int = 512  # P: prompt positions scored per step at most (SchedulerConfig's)
@@ -98,8 +98,8 @@ class LoopGeometry:
             raise ValueError("num_kv_blocks cannot hold one sequence of max_model_len")
         if self.priority_aging_steps < 0:
             raise ValueError("priority_aging_steps must be >= 0")
-        if self.lower_class_limit < 0:
-            raise ValueError("lower_class_limit must be >= 0")
+        if self.lower_class_limit < -1:
+            raise ValueError("lower_class_limit must be >= -1")
         if self.prompt_score_chunk < 1:
             raise ValueError("prompt_score_chunk must be >= 1")
         if len(self.eos_token_ids) > MAX_EOS_IDS:

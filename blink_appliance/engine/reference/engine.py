@@ -34,7 +34,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None: the model config's
     seed: int | None = None  # draws the seeds of requests that bring none; None: from the OS
     priority_aging_steps: int = 0  # a waiting request gains one priority level per this many steps; 0: off
-    lower_class_limit: int = 0  # running sequences below the most urgent running class, at most; 0: no cap
+    lower_class_limit: int = -1  # lower-class running sequences that run beside the top class; -1: no cap
     prefix_cache: bool = False  # reuse the KV blocks of cached prompt prefixes (docs/engine.md)
     prompt_score_chunk: int = 512  # prompt tokens scored (prompt logprobs) per step, at most
 
@@ -53,8 +53,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.priority_aging_steps must be >= 0, got {self.priority_aging_steps}"
             )
-        if self.lower_class_limit < 0:
-            raise ValueError(f"EngineConfig.lower_class_limit must be >= 0, got {self.lower_class_limit}")
+        if self.lower_class_limit < -1:
+            raise ValueError(f"EngineConfig.lower_class_limit must be >= -1, got {self.lower_class_limit}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -3,11 +3,13 @@ preemption by recompute.
 
 One call to `schedule()` decides one model step (docs/engine.md has the full state machine):
 
-0. Class cap (`lower_class_limit` = L > 0): while more than L running sequences are of a class below
-   the most urgent running class, the last one in running order is preempted (this does not stop
-   admission, and the victims are not readmitted in this step).
+0. Class cap (`lower_class_limit` = L >= 0; -1: none): of the running sequences of a class below the
+   most urgent running class, only the first L in running order run this step; the others are held
+   (they keep their blocks and get no tokens, so they resume without recompute once the urgent class
+   is gone; phases 2-3 preempt them first, being last in running order).
 1. Running sequences in running order: (class, admission), the class being the effective priority a
-   sequence was admitted with. One with a single uncomputed token (decoding) gets that token. One
+   sequence was admitted with, those held in 0 left out. One with a single uncomputed token
+   (decoding) gets that token. One
    still prefilling gets a chunk of what the budget has left after reserving one token for every
    decoding sequence not yet visited, so decodes never starve behind a long prompt.
 2. Every scheduled chunk gets the KV blocks it writes into. When the free list is short, the running
@@ -18,8 +20,10 @@ One call to `schedule()` decides one model step (docs/engine.md has the full sta
    order. When the head does not fit (no sequence slot, no budget, too few blocks) and the last
    running sequence is of a strictly lower class, that one is preempted (its chunk of this step
    taken back) and the head tried again. Admission stops at the first head that still does not
-   fit, that this step preempted (in 0 or 3), or, with L > 0, that is of a class below the most
-   urgent running one while L such sequences run (no skipping, so FCFS holds within a class).
+   fit, that this step preempted, or, with a cap, that is of a class below the most urgent running
+   one while L such sequences run, held ones counted (no skipping, so FCFS holds within a class).
+   With a cap, the running sequences that phase 0 would hold now (this step's admissions counted)
+   give their chunk of this step back, keeping the blocks it took.
 4. Aging (`priority_aging_steps` > 0): a waiting sequence's effective priority improves by one per
    that many steps waited, never past the most urgent base priority among live sequences.
 5. Prefix cache (`prefix_cache`): an admitted sequence starts with the cached blocks of its longest
@@ -28,7 +32,7 @@ One call to `schedule()` decides one model step (docs/engine.md has the full sta
    of this step fills is registered under its prompt block hash (docs/engine.md, "Prefix cache").
 6. Prompt scoring: a sequence with prompt positions left to score (prompt logprobs) prefills at most
    `prompt_score_chunk` tokens a step, and only one such sequence prefills per step: the first in
-   running order that is prefilling when the step starts, else the first such head admission takes
+   running order, not held, that is prefilling when the step starts, else the first such head admission takes
    (a later scoring head stops admission). The GPU loop gathers the scored rows of that one chunk
    into a buffer of `prompt_score_chunk` rows.
 
@@ -53,7 +57,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     priority_aging_steps: int = 0  # 0: no aging
-    lower_class_limit: int = 0  # running sequences of a class below the most urgent one, at most; 0: no cap
+    lower_class_limit: int = -1  # lower-class running sequences that run beside the top class; -1: no cap
     prefix_cache: bool = False  # admissions reuse cached prompt blocks; filled blocks are registered
     prompt_score_chunk: int = 512  # tokens a prompt-scoring sequence prefills per step, at most (phase 6)
 
@@ -76,8 +80,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]  # in batch order
-    preempted: list[Sequence]  # in preemption order: class cap, budget fill, admission
-    capped: int = 0  # how many of them the class cap preempted (the first ones)
+    preempted: list[Sequence]  # in preemption order: budget fill, admission
+    held: int = 0  # running sequences the class cap held this step (phase 0)
 
     @property
     def num_tokens(self) -> int:
@@ -124,17 +128,26 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
 
-        # 0: the class cap; its victims do not stop admission.
-        self._cap_lower_classes(preempted)
-        capped = len(preempted)
+        # 0: the class cap holds the lower classes' sequences beyond the first L.
+        held = self._held()
 
         # 1 + 2: running sequences in running order.
-        reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
-        scorer = next((s for s in self.running if s.scores_prompt and s.num_uncomputed_tokens > 1), None)
+        reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1 and id(s) not in held)
+        scorer = next(
+            (
+                s
+                for s in self.running
+                if s.scores_prompt and s.num_uncomputed_tokens > 1 and id(s) not in held
+            ),
+            None,
+        )
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
+            if id(seq) in held:
+                i += 1
+                continue
             if remaining == 1:
                 reserved -= 1
                 n = 1
@@ -143,10 +156,11 @@ class Scheduler:
                 if n <= 0 or (seq.scores_prompt and seq is not scorer):
                     i += 1
                     continue
-            need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            # (A chunk taken back by phase 3 leaves its blocks allocated: none may be needed now.)
+            need = max(0, self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
             while not self.allocator.can_allocate(need):
                 victim = self.running[-1]
-                if victim is not seq and victim.num_uncomputed_tokens == 1:
+                if victim is not seq and victim.num_uncomputed_tokens == 1 and id(victim) not in held:
                     reserved -= 1  # its reserved decode token is no longer needed
                 self.preempt(victim)
                 preempted.append(victim)
@@ -160,13 +174,19 @@ class Scheduler:
             i += 1
 
         # 3: admit waiting sequences (not in a step that had to preempt for blocks: that would thrash).
-        if len(preempted) == capped and self.waiting:
+        if not preempted and self.waiting:
             self._admit(chunks, preempted, budget, scorer is not None)
+            # An admission of a more urgent class holds the lower classes from this step on: the
+            # running ones beyond the cap give their chunk back (their blocks stay theirs).
+            again = self._held() - held
+            if again:
+                chunks[:] = [c for c in chunks if id(c.seq) not in again]
+                held |= again
         if chunks:
             self.clock += 1
         if self.config.prefix_cache:
             self._register_filled(chunks)
-        return SchedulerOutput(chunks, preempted, capped)
+        return SchedulerOutput(chunks, preempted, sum(1 for s in self.running if id(s) in held))
 
     def _chunk_cap(self, seq: Sequence, tokens: int) -> int:
         """Tokens a prefill chunk of `seq` may take of `tokens` (phase 6)."""
@@ -192,20 +212,20 @@ class Scheduler:
         top = self.running[0].run_priority  # the running list is in running order: class first
         return sum(1 for s in self.running if s.run_priority > top)
 
-    def _cap_lower_classes(self, preempted: list[Sequence]) -> None:
-        """Phase 0: while more than `lower_class_limit` running sequences are of a lower class than the
-        most urgent running one, preempt the last in running order."""
+    def _held(self) -> set[int]:
+        """Phase 0: ids of the running sequences of a lower class than the most urgent running one
+        beyond the first `lower_class_limit` of them (the tail of the running order)."""
         limit = self.config.lower_class_limit
-        while limit > 0 and self.running and self._lower_class_count() > limit:
-            victim = self.running[-1]
-            self.preempt(victim)
-            preempted.append(victim)
+        if limit < 0 or not self.running:
+            return set()
+        excess = self._lower_class_count() - limit
+        return {id(s) for s in self.running[len(self.running) - excess :]} if excess > 0 else set()
 
     def _capped(self, priority: int) -> bool:
         """A head of this effective priority is of a lower class than the most urgent running one while
         `lower_class_limit` such sequences already run (this step's admissions counted)."""
         limit = self.config.lower_class_limit
-        if limit == 0 or not self.running or priority <= self.running[0].run_priority:
+        if limit < 0 or not self.running or priority <= self.running[0].run_priority:
             return False
         return self._lower_class_count() >= limit
 

@@ -1,0 +1,58 @@
+"""Turns: how responses sent whole hand their tokens to the front end's one event loop.
+
+A whole (not streamed) response gets its tokens at the end, all at once (EngineClient.stream_batches
+with `whole`). A batch of them finishing together (a best-effort batch job started at once) would
+then hold the loop for the time it takes to turn all their tokens into text, and every stream
+would wait that long for its next token. Instead each takes turns: one slice of its tokens per
+event-loop iteration, the most urgent class (the smallest priority) first, so streams and more
+urgent responses run between any two slices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+from collections.abc import AsyncIterator
+
+SLICE_TOKENS = 64  # its text and metrics take under a millisecond of the loop
+
+
+class Turns:
+    def __init__(self, slice_tokens: int = SLICE_TOKENS) -> None:
+        self.slice_tokens = slice_tokens
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._granting = False
+
+    async def take(self, priority: int) -> None:
+        """Wait for a turn: granted one per loop iteration, by (priority, arrival)."""
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._waiting, (priority, next(self._order), turn))
+        if not self._granting:
+            self._granting = True
+            loop.call_soon(self._grant)
+        await turn
+
+    def _grant(self) -> None:
+        while self._waiting:
+            _, _, turn = heapq.heappop(self._waiting)
+            if not turn.done():  # its task was cancelled meanwhile
+                turn.set_result(None)
+                asyncio.get_running_loop().call_soon(self._grant)  # the next one, an iteration later
+                return
+        self._granting = False
+
+    async def sliced(self, batches: AsyncIterator[list], priority: int) -> AsyncIterator[list]:
+        """`batches` with each one longer than a slice handed over a slice per turn. Closing this
+        closes `batches`."""
+        async with contextlib.aclosing(batches):  # type: ignore[type-var]
+            async for batch in batches:
+                if len(batch) <= self.slice_tokens:
+                    yield batch
+                    continue
+                for start in range(0, len(batch), self.slice_tokens):
+                    await self.take(priority)
+                    yield batch[start : start + self.slice_tokens]
