@@ -475,21 +475,3 @@ async def test_events_queued_before_the_consumer_comes_arrive_as_one_batch():
     events = batches[0]
     assert sum(e.token_id is not None for e in events) == 5
     assert events[-1].finish_reason is FinishReason.LENGTH and not any(e.finished for e in events[:-1])
-
-
-async def test_a_whole_response_wakes_its_reader_for_the_first_tokens_and_the_end_only():
-    """stream_batches(whole=True): once the first tokens are read, the rest wait out of the queue
-    (no wake-up per step for a response sent whole) and come in one list with the terminal."""
-    engine = CounterEngine(step_delay_s=0.03)
-    with shm_region() as transport, server_thread(engine, transport):
-        async with client_for(transport) as client:
-            rid = client.submit([5, 6], SamplingParams(max_tokens=64))  # 2 s of steps
-            batches = client.stream_batches(rid, whole=True)
-            first = await anext(batches)
-            pending = client._by_id[rid]
-            await wait_until_async(lambda: engine.generated >= len(first) + 5, "more tokens to be made")
-            await wait_until_async(lambda: len(pending.held) >= 5, "the client to read them")
-            assert pending.queue.empty(), "a whole response's reader was woken for every step"
-            rest = [batch async for batch in batches]
-    assert len(rest) == 1 and rest[0][-1].finish_reason is FinishReason.LENGTH
-    assert sum(e.token_id is not None for e in first + rest[0]) == 64

@@ -15,6 +15,11 @@ from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import FinishReason, TokenEvent
 from blink_appliance.wire.ring_layout import FINISH_FROM_CODE, ErrorCode
 
+# A deferred reader's wake-ups: rare enough to cost nothing, frequent enough that the text is made
+# while the engine still decodes (all at the end, a batch of such requests finishing together would
+# leave the front end one long job while the GPU waits for their successors).
+HELD_TOKENS = 128
+
 
 @dataclass
 class Pending:
@@ -28,8 +33,8 @@ class Pending:
     deadline_ns: int = 0  # when the request times out (0: never)
     payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
     logprobs: LogprobStream | None = None  # the request's rows in the logprob area, when it asked
-    # A whole (not streamed) response: its reader wakes for the first tokens and the terminal only,
-    # so a batch of such requests does not wake a task each per step (EngineClient.stream_batches).
+    # A whole (not streamed) response: after the first tokens its reader wakes once per HELD_TOKENS
+    # tokens and for the terminal, not once a step each (EngineClient.stream_batches).
     defer: bool = False
     held: list[TokenEvent] = field(default_factory=list)  # deferred events, queued with the terminal
     woke: bool = False  # tokens were queued already
@@ -57,6 +62,8 @@ class Pending:
             self.queue.put_nowait(event)
             return
         self.held.append(event)
+        if len(self.held) >= HELD_TOKENS:
+            self._flush()
 
     def _flush(self) -> None:
         for held in self.held:

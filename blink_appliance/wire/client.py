@@ -229,8 +229,8 @@ class EngineClient:
     async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
         """The request's events as they arrived: each list holds every event queued when the
         consumer got to it (one wake-up for many tokens under load); the last one ends with the
-        terminal event. `whole` (a response sent whole): after the first tokens, the rest come in
-        one list with the terminal. Leaving early cancels the request."""
+        terminal event. `whole` (a response sent whole): after the first tokens, the rest come
+        HELD_TOKENS at a time, the last with the terminal. Leaving early cancels the request."""
         pending = self._by_id.get(request_id)
         if pending is None:
             raise KeyError(f"unknown or already finished request id {request_id}")
