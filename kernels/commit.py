@@ -247,7 +247,7 @@ def _release_blocks(
     n_cached = tl.load(lru_words_ptr + 2).to(tl.int32)
     top, tail, n_cached = release_lanes(
         release, tl.arange(0, slots.shape[0]), slots, nb, top, tail, n_cached, block_table_ptr, free_blocks_ptr,
-        blocks, MAX_BLOCKS, BLOCK_B, Q, False,
+        blocks, MAX_BLOCKS, BLOCK_B, Q,
     )  # fmt: skip
     tl.store(lru_words_ptr + 1, tail)
     tl.store(lru_words_ptr + 2, n_cached.to(tl.int64))

@@ -77,15 +77,12 @@ def release_one(slot, count, top, tail, n_cached, block_table_ptr, free_blocks_p
 
 @triton.jit
 def release_lanes(release, lane, slot, count, top, tail, n_cached, block_table_ptr, free_blocks_ptr, blocks,
-                  MAXB: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr, DESCENDING: tl.constexpr):  # fmt: skip
-    """release_one for each lane in `release`, one after the other in lane order (DESCENDING: from
-    the last lane), as the reference frees sequences one by one. Returns (top, tail, n_cached)."""
+                  MAXB: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr):  # fmt: skip
+    """release_one for each lane in `release`, one after the other in lane order, as the reference
+    frees sequences one by one. Returns (top, tail, n_cached)."""
     remaining = release
     for _ in range(0, tl.sum(release.to(tl.int32), 0)):
-        if DESCENDING:
-            first = lane == tl.max(tl.where(remaining, lane, -1), 0)
-        else:
-            first = lane == tl.min(tl.where(remaining, lane, _INT32_MAX), 0)
+        first = lane == tl.min(tl.where(remaining, lane, _INT32_MAX), 0)
         s = tl.sum(tl.where(first, slot, 0), 0)
         c = tl.sum(tl.where(first, count, 0), 0)
         tl.debug_barrier()  # the previous one's holders and stack entries are visible

@@ -363,7 +363,7 @@ def _end_slots(
     order, FINISHING so that commit publishes the terminal event. Returns (top, tail, n_cached)."""
     offs_d = tl.arange(0, BLOCK_D)
     top, tail, n_cached = release_lanes(ending, offs_d, offs_d, nb_d, top, tail, n_cached, slots.block_table,
-                                        free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
+                                        free_blocks_ptr, blocks, MAXB, BLOCK_J, Q)  # fmt: skip
     tl.store(slots.slot_state + offs_d, tl.full([BLOCK_D], SLOT.FINISHING, tl.int32), mask=ending)
     tl.store(slots.finish_reason + offs_d, tl.full([BLOCK_D], FINISH.ABORT, tl.int32), mask=ending)
     tl.store(slots.error_code + offs_d, tl.full([BLOCK_D], ERROR_CODE, tl.int32), mask=ending)

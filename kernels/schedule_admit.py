@@ -159,7 +159,7 @@ def admit_waiting(
                     is_v = offs_s == v_k
                     v_slot = tl.sum(tl.where(is_v, ks, 0), 0)
                     top, tail, n_cached = release_lanes(is_v, offs_s, ks, nb_k, top, tail, n_cached, slots.block_table,
-                                                        free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
+                                                        free_blocks_ptr, blocks, MAXB, BLOCK_J, Q)  # fmt: skip
                     budget += tl.sum(tl.where(is_v, n_k, 0), 0)
                     n_k = tl.where(is_v, 0, n_k)
                     nb_k = tl.where(is_v, 0, nb_k)

@@ -205,14 +205,14 @@ def fill_budget(
             while (v > kstar) & (top + n_cached < need_k):
                 is_v = offs_s == v
                 top, tail, n_cached = release_lanes(is_v, offs_s, ks, nb_k, top, tail, n_cached, block_table_ptr,
-                                                    free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
+                                                    free_blocks_ptr, blocks, MAXB, BLOCK_J, Q)  # fmt: skip
                 pre_k = tl.where(is_v, 1, pre_k)
                 nb_k = tl.where(is_v, 0, nb_k)
                 v -= 1
             survives = top + n_cached >= need_k
             if top + n_cached < need_k:  # it is the victim itself
                 top, tail, n_cached = release_lanes(is_k, offs_s, ks, nb_k, top, tail, n_cached, block_table_ptr,
-                                                    free_blocks_ptr, blocks, MAXB, BLOCK_J, Q, False)  # fmt: skip
+                                                    free_blocks_ptr, blocks, MAXB, BLOCK_J, Q)  # fmt: skip
                 pre_k = tl.where(is_k, 1, pre_k)
                 nb_k = tl.where(is_k, 0, nb_k)
             take = is_k & survives

@@ -36,7 +36,7 @@ class Pending:
     # A whole (not streamed) response: after the first tokens its reader wakes once per HELD_TOKENS
     # tokens and for the terminal, not once a step each (EngineClient.stream_batches).
     defer: bool = False
-    held: list[TokenEvent] = field(default_factory=list)  # deferred events, queued with the terminal
+    held: list[TokenEvent] = field(default_factory=list)  # deferred events (HELD_TOKENS at most)
     woke: bool = False  # tokens were queued already
 
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
