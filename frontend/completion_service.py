@@ -180,6 +180,7 @@ class CompletionService:
     async def prepare_completion(self, req: CompletionRequest, key_priority: int | None = None) -> Prepared:
         """`key_priority`: the class of the API key the request came with (None: none, or no keys)."""
         self.check_model(req.model)
+        await self._turn(req, key_priority)
         prompt = req.single_prompt
         if isinstance(prompt, str):
             if not prompt:
@@ -198,6 +199,7 @@ class CompletionService:
 
     async def prepare_chat(self, req: ChatCompletionRequest, key_priority: int | None = None) -> Prepared:
         self.check_model(req.model)
+        await self._turn(req, key_priority)
         mode = tool_mode(req.tools, req.tool_choice)
         ids = await self.chat_prompt_ids(req.template_messages())
         constraint = await self._constraint(req, mode.schema if mode is not None else None)
@@ -206,6 +208,13 @@ class CompletionService:
         )
         prep.tool_mode = mode
         return prep
+
+    async def _turn(self, req: _SamplingRequest, key_priority: int | None) -> None:
+        """Wait for this request's class to have its turn (frontend/turns.py): a burst of requests
+        (a batch job's clients all starting at once) is taken in one per event-loop iteration, more
+        urgent classes first, instead of holding the loop until all of them are in."""
+        base = self.limits.default_priority if key_priority is None else key_priority
+        await self._turns.take(effective_priority(base, req.priority))
 
     async def _constraint(self, req: _SamplingRequest, tool_schema: Any = None) -> Any:
         """The request's structured-output automaton (compiled in a worker thread: a new schema takes

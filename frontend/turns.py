@@ -1,11 +1,11 @@
-"""Turns: how responses sent whole hand their tokens to the front end's one event loop.
+"""Turns: how bursts of work share the front end's one event loop.
 
-A whole (not streamed) response gets its tokens at the end, all at once (EngineClient.stream_batches
-with `whole`). A batch of them finishing together (a best-effort batch job started at once) would
-then hold the loop for the time it takes to turn all their tokens into text, and every stream
-would wait that long for its next token. Instead each takes turns: one slice of its tokens per
-event-loop iteration, the most urgent class (the smallest priority) first, so streams and more
-urgent responses run between any two slices.
+A batch job's requests come and go together: hundreds arrive at once, and a whole (not streamed)
+response gets its tokens in large batches (EngineClient.stream_batches with `whole`). Done in one
+go, either holds the loop, and every stream waits that long for its next token. Instead each takes
+turns, one per event-loop iteration, the most urgent class (the smallest priority) first: a request
+before it is prepared and submitted (CompletionService._turn), a response for each slice of its
+tokens. Streams and more urgent work run between any two turns.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Effective priority: base = the class of the request's API key if it has one, els
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -61,6 +62,7 @@ class Served:
     def __init__(self, client: Any, engine: CounterEngine, seen: list[Request], registry: MetricsRegistry):
         self.client, self.engine, self.seen, self.registry = client, engine, seen, registry
         self.telemetry: TelemetrySource | None = None
+        self.service: CompletionService | None = None
 
     async def complete(self, key: str | None = None, chat: bool = False, **fields: Any) -> Any:
         body: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -113,7 +115,7 @@ async def serving(
             )
             service = CompletionService(ring, CharTokenizer(), IdText, limits, metrics)
             served = Served(await aiohttp_client(create_app(service, api_keys=keys)), engine, seen, registry)
-            served.telemetry = telemetry
+            served.telemetry, served.service = telemetry, service
             yield served
 
 
@@ -276,3 +278,22 @@ async def test_classes_past_the_cap_share_one_series_and_one_tracker():
     classes = (await telemetry.sample()).models[0].classes
     assert [c.priority for c in classes] == [*range(MAX_PRIORITY_CLASSES), None]
     assert classes[-1].label == "other" and classes[-1].total_tokens == 10
+
+
+async def test_a_burst_of_requests_is_prepared_in_turns_more_urgent_classes_first(aiohttp_client):
+    """Ten best-effort requests and then one latency-sensitive one, all arriving in one event-loop
+    iteration: the urgent one is prepared first, and the others one per iteration after it."""
+    from blink_appliance.frontend.openai_schema import CompletionRequest
+
+    async with serving(aiohttp_client) as s:
+        done: list[int] = []
+
+        async def prepare(i: int, priority: int) -> None:
+            req = CompletionRequest.model_validate({"model": MODEL, "prompt": [5, 6], "priority": priority})
+            await s.service.prepare_completion(req)
+            done.append(i)
+
+        tasks = [asyncio.create_task(prepare(i, 5)) for i in range(10)]
+        tasks.append(asyncio.create_task(prepare(99, 0)))
+        await asyncio.gather(*tasks)
+    assert done == [99, *range(10)]
