@@ -251,10 +251,8 @@ class EngineSection(_Section):
     # A waiting request's priority improves by one per this many engine steps it has waited (never past
     # the most urgent live request's class); 0: no aging. Both engines (docs/engine.md, "Scheduling").
     priority_aging_steps: int = Field(default=0, ge=0, le=2**31 - 1)
-    # While a request of the most urgent running class runs, at most this many running requests of
-    # lower classes step beside it (the rest are held, keeping their KV, and no more are admitted), so
-    # the urgent one decodes in a small batch; 0 pauses the lower classes; unset: no cap. Both engines
-    # (docs/engine.md, "Scheduling").
+    # While the most urgent running class runs, at most this many running requests of lower classes
+    # step beside it (the rest are held with their KV); 0 pauses them; unset: no cap (docs/engine.md).
     lower_class_limit: int | None = Field(default=None, ge=0, le=2**31 - 1)
     # Reuse the KV blocks of prompt prefixes already computed (docs/engine.md, "Prefix cache"). Both engines.
     prefix_cache: bool = True
@@ -265,6 +263,11 @@ class EngineSection(_Section):
         if v is not None and (not v or v[0] < 1 or v != sorted(set(v))):
             raise ValueError(f"must be distinct positive token counts in ascending order, got {v}")
         return v
+
+    @property
+    def class_cap(self) -> int:
+        """lower_class_limit as both engines take it: -1 for no cap."""
+        return -1 if self.lower_class_limit is None else self.lower_class_limit
 
 
 class TelemetrySection(_Section):

@@ -157,7 +157,7 @@ class CompletionService:
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token texts and bytes
         self.draining = False
         self._inflight = _Inflight()
-        self._turns = Turns()  # whole responses hand their tokens over in turns
+        self._turns = Turns()  # bursts of requests and whole responses' tokens take turns
         self._inflight.idle.set()
 
     # -- admission ----------------------------------------------------------------------------

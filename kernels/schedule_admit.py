@@ -226,10 +226,7 @@ def _class_capped(w_pri, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT: tl.constexpr
     if LIMIT >= 0:
         kept = ms & (pre_k == 0)
         adm = adm_rank >= 0
-        top_class = tl.minimum(
-            tl.min(tl.where(kept, rp_k.to(tl.int64), _INT64_MAX), 0),
-            tl.min(tl.where(adm, adm_eff, _INT64_MAX), 0),
-        )
+        top_class = _top_class(kept, rp_k, adm, adm_eff)
         n_lower = tl.sum((kept & (rp_k.to(tl.int64) > top_class)).to(tl.int32), 0) + tl.sum(
             (adm & (adm_eff > top_class)).to(tl.int32), 0
         )
@@ -245,14 +242,19 @@ def _take_back_held(n_k, ms, pre_k, rp_k, adm_rank, adm_eff, LIMIT: tl.constexpr
     them: a lower-class head is admitted only while fewer than LIMIT such sequences run."""
     if LIMIT >= 0:
         kept = ms & (pre_k == 0)
-        top_class = tl.minimum(
-            tl.min(tl.where(kept, rp_k.to(tl.int64), _INT64_MAX), 0),
-            tl.min(tl.where(adm_rank >= 0, adm_eff, _INT64_MAX), 0),
-        )
-        lower = kept & (rp_k.to(tl.int64) > top_class)
+        lower = kept & (rp_k.to(tl.int64) > _top_class(kept, rp_k, adm_rank >= 0, adm_eff))
         rank = tl.cumsum(lower.to(tl.int32), 0) - lower.to(tl.int32)
         n_k = tl.where(lower & (rank >= LIMIT), 0, n_k)
     return n_k
+
+
+@triton.jit
+def _top_class(kept, rp_k, adm, adm_eff):
+    """The most urgent class (int64) among the running lanes kept and this step's admissions."""
+    return tl.minimum(
+        tl.min(tl.where(kept, rp_k.to(tl.int64), _INT64_MAX), 0),
+        tl.min(tl.where(adm, adm_eff, _INT64_MAX), 0),
+    )
 
 
 @triton.jit

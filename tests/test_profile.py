@@ -368,3 +368,12 @@ def test_api_keys_may_be_tables_with_a_priority_class_and_models_a_default(tmp_p
     assert p.models[0].priority == 5
     again = p.with_overrides(port=0)  # re-validated from model_dump(): the tables survive
     assert again.frontend.api_keys == p.frontend.api_keys and again.models[0].priority == 5
+
+
+def test_the_class_cap_is_off_unless_set_and_zero_pauses():
+    """[engine] lower_class_limit: unset is no cap (-1 for both engines); 0 is a cap (pause)."""
+    assert parse_profile(_profile()).engine.class_cap == -1
+    assert parse_profile(_profile(engine={"lower_class_limit": 0})).engine.class_cap == 0
+    assert parse_profile(_profile(engine={"lower_class_limit": 16})).engine.class_cap == 16
+    with pytest.raises(ProfileError, match="lower_class_limit"):
+        parse_profile(_profile(engine={"lower_class_limit": -1}))

@@ -97,7 +97,7 @@ def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None
             max_model_len=plan.max_model_len,
             eos_token_ids=tuple(model.config.eos_token_ids),
             priority_aging_steps=profile.engine.priority_aging_steps,
-            lower_class_limit=-1 if (cap := profile.engine.lower_class_limit) is None else cap,  # -1: no cap
+            lower_class_limit=profile.engine.class_cap,
             prefix_cache=profile.engine.prefix_cache,
         ),
     )

@@ -31,7 +31,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         vocab_size=config.vocab_size,
         eos_token_ids=eos,
         priority_aging_steps=profile.engine.priority_aging_steps,
-        lower_class_limit=-1 if (cap := profile.engine.lower_class_limit) is None else cap,  # -1: no cap
+        lower_class_limit=profile.engine.class_cap,
         prefix_cache=profile.engine.prefix_cache,
         constraint_words=ring_geometry(profile, index).constraint_words,
     )
