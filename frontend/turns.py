@@ -27,13 +27,15 @@ class Turns:
         self._granting = False
 
     async def take(self, priority: int) -> None:
-        """Wait for a turn: granted one per loop iteration, by (priority, arrival)."""
+        """Wait for a turn: one per loop iteration, by (priority, arrival). The first one of an
+        iteration in which nobody waits goes at once: a lone request costs no iteration."""
         loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
-        heapq.heappush(self._waiting, (priority, next(self._order), turn))
         if not self._granting:
             self._granting = True
-            loop.call_soon(self._grant)
+            loop.call_soon(self._grant)  # from the next iteration on, the waiting ones one by one
+            return
+        turn: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._waiting, (priority, next(self._order), turn))
         await turn
 
     def _grant(self) -> None:

@@ -27,7 +27,7 @@ async def test_turns_go_by_priority_then_arrival_one_per_loop_iteration():
 
     await asyncio.gather(ticker(), *tasks)
     granted = [x for x in order if not x.startswith("tick")]
-    assert granted == ["ls", "mid", "be1", "be2"]
+    assert granted == ["be1", "ls", "mid", "be2"]  # be1 found nobody waiting: it went at once
     # The ticker runs once per loop iteration: between two of its ticks, one turn at most.
     between, per_iteration = 0, []
     for x in order:
@@ -46,12 +46,13 @@ async def test_a_cancelled_waiter_gives_its_turn_to_the_next():
         await turns.take(priority)
         order.append(name)
 
+    lead = asyncio.create_task(waiter("lead", 0))  # the iteration's turn: the next two wait
     first = asyncio.create_task(waiter("first", 0))
     second = asyncio.create_task(waiter("second", 1))
-    await asyncio.sleep(0)  # both wait now
+    await asyncio.sleep(0)  # all three ran: lead went, the other two wait
     first.cancel()
-    await asyncio.gather(first, second, return_exceptions=True)
-    assert order == ["second"]
+    await asyncio.gather(lead, first, second, return_exceptions=True)
+    assert order == ["lead", "second"]
 
 
 async def test_sliced_hands_long_batches_over_in_slices_and_closing_it_closes_the_source():
