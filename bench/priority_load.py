@@ -24,6 +24,7 @@ import datetime
 import json
 import multiprocessing
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -61,6 +62,30 @@ def say(message: str) -> None:
 
 def generated_tokens(url: str) -> int:
     return int(engine_telemetry(url)["generated_tokens"])
+
+
+def gc_pauses(url: str) -> dict[str, float]:
+    """The front end's garbage-collection pauses so far (blink_frontend_gc_pause_seconds), per
+    generation: how many, their total seconds, and how many took over 10 ms."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        found = re.match(r"blink_frontend_gc_pause_seconds_(count|sum|bucket)\{([^}]*)\}", line)
+        if found is None:
+            continue
+        kind, labels = found[1], dict(re.findall(r'(\w+)="([^"]*)"', found[2]))
+        le, gen = labels.get("le"), labels["generation"]
+        value = float(line.rpartition(" ")[2])
+        if kind == "bucket" and le == "0.01":
+            out[f"gen{gen}_over_10ms"] = out.get(f"gen{gen}_over_10ms", 0.0) - value
+        elif kind == "count":
+            out[f"gen{gen}_count"] = value
+            out[f"gen{gen}_over_10ms"] = out.get(f"gen{gen}_over_10ms", 0.0) + value
+        elif kind == "sum":
+            out[f"gen{gen}_s"] = value
+    return out
 
 
 def prompt(args: argparse.Namespace, rng: random.Random, output_len: int) -> BenchRequest:
@@ -166,6 +191,7 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
              "-o", str(folded), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
     tokens0, t0 = await asyncio.to_thread(generated_tokens, url), time.monotonic()
+    gc0 = await asyncio.to_thread(gc_pauses, url)
     if name == "be_alone":
         await asyncio.sleep(args.seconds)
         result, ls_tokens = {}, 0
@@ -177,6 +203,8 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     # The one front end carries every stream: its CPU and how late it answers /health.
     result["frontend_cpu_share"] = round((cpu_s(frontend) - cpu0) / seconds, 3) if frontend else None
     result["health_p50_ms"], result["health_p99_ms"] = ms(health, 50), ms(health, 99)
+    gc1 = await asyncio.to_thread(gc_pauses, url)
+    result["frontend_gc"] = {k: round(v - gc0.get(k, 0.0), 4) for k, v in sorted(gc1.items())}
     if sampler is not None:
         await asyncio.to_thread(sampler.wait, args.seconds + 60)
         if folded.exists():

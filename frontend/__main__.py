@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -128,9 +130,18 @@ async def serve(
         tmp.write_text(url)
         tmp.replace(ready_file)  # atomic: the daemon never reads half a URL
 
+    unwatch_gc = router.metrics.watch_gc()
+    # Every stream waits out a collection. What start-up built lives as long as the process: frozen,
+    # collections skip it. Each pump pass makes ~1k token events that are alive at once, which at
+    # the default 700 set off a young collection nearly every pass (485 collections, 0.69 s in 22 s
+    # on an H100 host; at 50k: one, 41 ms; bench/results/2026-11-27-h100-frontend-reads.md).
+    gc.freeze()
+    gc.set_threshold(50_000, 10, 10)
     await stop.wait()
 
-    # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left.
+    # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left. Should
+    # stopping hang past what the daemon waits (drain + 10 s), the log shows where.
+    faulthandler.dump_traceback_later(profile.appliance.drain_timeout_s + 8.0)
     router.draining = True
     log.info("draining %d in-flight request(s)", router.inflight)
     with contextlib.suppress(TimeoutError):
@@ -139,6 +150,8 @@ async def serve(
         log.warning("drain timeout: cancelling %d request(s)", router.inflight)
     await detach_engines(links)  # cancels and ends what is still open, then closes the regions
     await runner.cleanup()
+    faulthandler.cancel_dump_traceback_later()
+    unwatch_gc()
 
 
 def _services(

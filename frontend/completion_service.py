@@ -439,15 +439,17 @@ class CompletionService:
             async with contextlib.aclosing(events):  # leaving early cancels in the engine
                 async for batch in events:
                     now, last_stamp, text = time.monotonic_ns(), batch[-1].timestamp_ns, ""
+                    if not prep.score_only:
+                        # The engine's spacing within the batch, ending now: the latency tracker
+                        # sees its cadence, not one arrival for all of them.
+                        gaps = [last_stamp - ev.timestamp_ns for ev in batch if ev.token_id is not None]
+                        timer.tokens([now - max(0, gap) for gap in gaps])
                     for ev in batch:
                         reason = ev.finish_reason
                         if echo is not None and ev.token_id is not None:  # the prompt comes first
                             text, echo = echo, None
                             choice.prompt(prep.prompt_ids, self._prompt_deltas(prep), ev.prompt_logprobs)
                         if ev.token_id is not None and not prep.score_only:
-                            # The engine's spacing within the batch, ending now: the latency
-                            # tracker sees its cadence, not one arrival for all of them.
-                            timer.token(now - max(0, last_stamp - ev.timestamp_ns))
                             prep.completion_tokens += 1
                             # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
                             piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)

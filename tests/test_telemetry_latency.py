@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -96,3 +97,62 @@ def test_memory_is_bounded() -> None:
     stats = tracker.stats()
     # Only the newest 100 ITLs (901..1000 ms) are kept.
     assert stats.itl_p50_ms == pytest.approx(950.5)
+
+
+def test_a_batch_of_tokens_records_what_its_tokens_one_by_one_record() -> None:
+    """The front end's batched path (RequestTimer.tokens -> record_tokens) sees the same TTFT, ITL,
+    TPOT and throughput as one call per token, a stamp that goes backwards taken as the last."""
+    from frontend.metrics import ServingMetrics
+
+    start = 1000 * S
+    arrivals = [start + k * 7 * MS for k in range(1, 40)]
+    arrivals[10] = arrivals[9] - MS  # out of order: counts at arrivals[9]
+    clock = Clock(arrivals[-1])
+    trackers = [TokenLatencyTracker(clock=clock), TokenLatencyTracker(clock=clock)]
+    texts = []
+    for tracker, batched in zip(trackers, (False, True), strict=True):
+        metrics = ServingMetrics("m", engine_telemetry=dict, engine_alive=lambda: True, tracker=tracker)
+        timer = metrics.request_timer(3)
+        timer.start_ns = start
+        if batched:
+            timer.tokens(arrivals[:1])
+            timer.tokens(arrivals[1:25])
+            timer.tokens(arrivals[25:])
+        else:
+            for t in arrivals:
+                timer.token(t)
+        timer.finish("length")
+        lines = metrics.render().decode().splitlines()
+        # Not the end-to-end series: it ends at the wall clock's now.
+        texts.append([line for line in lines if line.startswith("blink_") and "e2e" not in line])
+    one, batch = (t.stats() for t in trackers)
+    assert one == batch and one.total_tokens == len(arrivals) and one.itl_p50_ms == pytest.approx(7.0)
+    assert one.ttft_p50_ms == pytest.approx(7.0) and one.itl_p99_ms == pytest.approx(
+        np.percentile([7] * 36 + [0, 14], 99)
+    )
+    assert texts[0] == texts[1]
+    assert f'blink_generation_tokens_total{{model_name="m"}} {len(arrivals)}.0' in texts[0]
+
+
+def test_the_front_end_times_its_garbage_collections() -> None:
+    """MetricsRegistry.watch_gc: each collection is one observation of its generation, until stopped."""
+    import gc
+
+    from frontend.metrics import MetricsRegistry
+
+    registry = MetricsRegistry()
+    stop = registry.watch_gc()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        stop()
+    gc.collect()
+    text = registry.render().decode()
+    # Other collections may run meanwhile (allocations trigger them): at least ours are there.
+    assert float(re.search(r'gc_pause_seconds_count\{generation="2"\} (\S+)', text)[1]) >= 1
+    assert float(re.search(r'gc_pause_seconds_count\{generation="0"\} (\S+)', text)[1]) >= 1
+    full = float(re.search(r'gc_pause_seconds_count\{generation="2"\} (\S+)', text)[1])
+    assert full == float(
+        re.search(r'gc_pause_seconds_count\{generation="2"\} (\S+)', registry.render().decode())[1]
+    )

@@ -1,42 +1,91 @@
-"""Responses sent whole (EngineClient.stream_batches with `whole`): their reader is not woken for
-every engine step, only for the first tokens, every HELD_TOKENS tokens and the end."""
+"""Responses sent whole (EngineClient.stream_batches with `whole`): after the first tokens, the pump
+leaves their channels unread until HELD_TOKENS tokens wait there or the request ends, so a batch of
+them costs the front end no work per engine step."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import numpy as np
 
-from blink_appliance.wire.channels import HELD_TOKENS, Pending
+from blink_appliance.wire.channels import HELD_TOKENS, WHOLE_READS_PER_PASS, spread
 from blink_appliance.wire.request import FinishReason, SamplingParams
-from tests.ring_support import CounterEngine, client_for, server_thread, shm_region, wait_until_async
+from tests.ring_support import (
+    SMALL,
+    CounterEngine,
+    client_for,
+    expected_token,
+    server_thread,
+    shm_region,
+    wait_until_async,
+)
+
+LONG = dataclasses.replace(SMALL, request_slots=32, max_output_tokens=512, logprob_pairs=1 << 14)
 
 
-async def test_a_whole_response_wakes_its_reader_for_the_first_tokens_and_the_end_only():
-    """stream_batches(whole=True): once the first tokens are read, the rest wait out of the queue
-    (no wake-up per step for a response sent whole) and come in one list with the terminal."""
+async def test_a_whole_response_is_read_from_its_channel_every_held_tokens_tokens():
+    """The pump reads a whole response's channel for its first tokens, then only once HELD_TOKENS
+    more wait there (the tokens stay in the channel meanwhile), and at its end."""
+    engine = CounterEngine(step_delay_s=0.002)
+    max_tokens = 2 * HELD_TOKENS + 40
+    with shm_region(LONG) as transport, server_thread(engine, transport, LONG):
+        async with client_for(transport, LONG) as client:
+            rid = client.submit([5, 6], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            slot = client._by_id[rid].slot
+            batches = client.stream_batches(rid, whole=True)
+            first = await anext(batches)
+            read = int(client._delivered[slot])
+            await wait_until_async(lambda: engine.generated >= read + HELD_TOKENS // 2, "more tokens")
+            assert int(client._delivered[slot]) == read, "the pump read a whole response every step"
+            rest = [batch async for batch in batches]
+    assert rest[-1][-1].finish_reason is FinishReason.LENGTH
+    assert all(len(batch) >= HELD_TOKENS for batch in rest[:-1]), [len(b) for b in rest]
+    assert 1 <= len(rest) <= max_tokens // HELD_TOKENS + 1
+    tokens = [e.token_id for e in first + sum(rest, []) if e.token_id is not None]
+    assert tokens == [expected_token([5, 6], i) for i in range(max_tokens)]
+
+
+async def test_a_streamed_response_is_read_every_step():
+    """Without `whole`, every step's token reaches the reader as it comes."""
     engine = CounterEngine(step_delay_s=0.03)
     with shm_region() as transport, server_thread(engine, transport):
         async with client_for(transport) as client:
-            rid = client.submit([5, 6], SamplingParams(max_tokens=64))  # 2 s of steps
-            batches = client.stream_batches(rid, whole=True)
-            first = await anext(batches)
-            pending = client._by_id[rid]
-            await wait_until_async(lambda: engine.generated >= len(first) + 5, "more tokens to be made")
-            await wait_until_async(lambda: len(pending.held) >= 5, "the client to read them")
-            assert pending.queue.empty(), "a whole response's reader was woken for every step"
-            rest = [batch async for batch in batches]
-    assert len(rest) == 1 and rest[0][-1].finish_reason is FinishReason.LENGTH
-    assert sum(e.token_id is not None for e in first + rest[0]) == 64
+            rid = client.submit([5, 6], SamplingParams(max_tokens=8))
+            batches = [batch async for batch in client.stream_batches(rid)]
+    assert len(batches) >= 4 and batches[-1][-1].finish_reason is FinishReason.LENGTH
 
 
-def test_a_deferred_reader_wakes_every_held_tokens_tokens():
-    """A whole response's tokens reach its reader HELD_TOKENS at a time after the first ones, so
-    its text is made while the engine still decodes, not all at its end."""
-    pending = Pending(1, slot=0, generation=1, defer=True)
-    one = np.ones(1, dtype=np.int64)
-    pending.deliver(one, one, 1)
-    assert pending.queue.qsize() == 1  # the first tokens wake it
-    for _ in range(HELD_TOKENS - 1):
-        pending.deliver(one, one, 1)
-    assert pending.queue.qsize() == 1 and len(pending.held) == HELD_TOKENS - 1
-    pending.deliver(one, one, 1)
-    assert pending.queue.qsize() == 1 + HELD_TOKENS and not pending.held
+def test_a_pass_reads_the_whole_responses_with_most_unread_tokens_first_and_every_stream():
+    """spread: streamed slots are always read; of the whole responses due, only the
+    WHOLE_READS_PER_PASS with the most unread tokens (a batch in lockstep comes due at one step)."""
+    n = 3 * WHOLE_READS_PER_PASS
+    whole = np.ones(n, dtype=bool)
+    whole[:2] = False  # two streams
+    delivered = np.zeros(n, dtype=np.uint64)
+    counts = np.arange(n, dtype=np.uint64) + np.uint64(HELD_TOKENS)
+    slots = np.arange(n)
+    picked = spread(slots, whole, counts, delivered)
+    assert picked.tolist() == [0, 1, *range(n - WHOLE_READS_PER_PASS, n)]
+    assert spread(slots[:WHOLE_READS_PER_PASS], whole, counts, delivered).tolist() == list(
+        range(WHOLE_READS_PER_PASS)
+    )
+
+
+async def test_whole_responses_due_together_all_arrive_whole():
+    """More whole responses than one pass reads, decoding in lockstep: each gets all its tokens."""
+    count = 2 * WHOLE_READS_PER_PASS + 3
+    engine = CounterEngine(max_running=count)
+    with shm_region(LONG) as transport, server_thread(engine, transport, LONG):
+        async with client_for(transport, LONG) as client:
+            params = SamplingParams(max_tokens=HELD_TOKENS + 50, ignore_eos=True)
+            ids = [client.submit([7, k], params) for k in range(count)]
+
+            async def tokens(rid: int) -> list[int]:
+                batches = [b async for b in client.stream_batches(rid, whole=True)]
+                assert batches[-1][-1].finish_reason is FinishReason.LENGTH
+                return [e.token_id for b in batches for e in b if e.token_id is not None]
+
+            got = await asyncio.gather(*(tokens(rid) for rid in ids))
+    for k, toks in enumerate(got):
+        assert toks == [expected_token([7, k], i) for i in range(HELD_TOKENS + 50)]

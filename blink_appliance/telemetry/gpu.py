@@ -10,6 +10,7 @@ NVML numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES: pass the NVML i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,6 +28,9 @@ class GpuSampler:
         self._handle: Any = None
         self._name: str | None = None
         self.reason: str | None = "not started"
+        # A sample runs in a worker thread and may still be querying when stop() shuts NVML down:
+        # NVML calls on a handle after nvmlShutdown are undefined, so the two never overlap.
+        self._lock = threading.Lock()
 
     @property
     def available(self) -> bool:
@@ -57,13 +61,14 @@ class GpuSampler:
         log.info("NVML: sampling GPU %d (%s)", self.device_index, self._name)
 
     def stop(self) -> None:
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
-        self._nvml = self._handle = None
-        self.reason = "stopped"
+        with self._lock:
+            if self._nvml is not None:
+                try:
+                    self._nvml.nvmlShutdown()
+                except self._nvml.NVMLError:
+                    pass
+            self._nvml = self._handle = None
+            self.reason = "stopped"
 
     def _query(self, fn: Callable[[], T]) -> T | None:
         try:
@@ -72,6 +77,10 @@ class GpuSampler:
             return None
 
     def sample(self) -> GpuStats:
+        with self._lock:
+            return self._sample()
+
+    def _sample(self) -> GpuStats:
         if self._handle is None:
             return GpuStats(available=False, reason=self.reason)
         nv, h = self._nvml, self._handle

@@ -2,7 +2,8 @@
 
 The front end stamps every token it streams with `time.monotonic_ns()` and reports:
   - `record_first_token(request_start_ns, now_ns)` for a request's first token (TTFT),
-  - `record_token(prev_token_ns, now_ns)` for every later token (inter-token latency, ITL),
+  - `record_token(prev_token_ns, now_ns)` for every later token (inter-token latency, ITL), or
+    `record_tokens(prev_token_ns, stamps)` for several at once,
   - `record_request_done(first_token_ns, last_token_ns, num_tokens)` when a request ends (TPOT).
 All timestamps must come from the tracker's clock (monotonic_ns unless one is passed in).
 Memory is bounded: samples live in fixed-size deques, token counts in per-second buckets.
@@ -85,10 +86,27 @@ class TokenLatencyTracker:
             self._count_token(now_ns, itl_ms=None)
 
     def record_token(self, prev_token_ns: int, now_ns: int) -> None:
-        itl_ms = (now_ns - prev_token_ns) / _NS_PER_MS
+        self.record_tokens(prev_token_ns, (now_ns,))
+
+    def record_tokens(self, prev_token_ns: int, stamps: Sequence[int]) -> None:
+        """`record_token` for each of `stamps` in turn, the first after `prev_token_ns` (one lock for
+        a whole batch: the front end records every token it delivers)."""
+        index, bucket = None, None
         with self._lock:
-            self._itl.append((now_ns, itl_ms))
-            self._count_token(now_ns, itl_ms=itl_ms)
+            for now_ns in stamps:
+                itl_ms = (now_ns - prev_token_ns) / _NS_PER_MS
+                self._itl.append((now_ns, itl_ms))
+                prev_token_ns = now_ns
+                if now_ns // self._bucket_ns != index:  # a batch's stamps mostly share one bucket
+                    index = now_ns // self._bucket_ns
+                    bucket = self._bucket_for(index)
+                if bucket is not None:
+                    bucket.tokens += 1
+                    bucket.itl_sum_ms += itl_ms
+                    bucket.itl_count += 1
+            self._total_tokens += len(stamps)
+            if self._first_ns is None and stamps:
+                self._first_ns = stamps[0]
 
     def record_request_done(self, first_token_ns: int, last_token_ns: int, num_tokens: int) -> None:
         """TPOT of a finished request: decode time over the tokens after the first."""

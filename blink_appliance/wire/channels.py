@@ -15,10 +15,14 @@ from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.request import FinishReason, TokenEvent
 from blink_appliance.wire.ring_layout import FINISH_FROM_CODE, ErrorCode
 
-# A deferred reader's wake-ups: rare enough to cost nothing, frequent enough that the text is made
-# while the engine still decodes (all at the end, a batch of such requests finishing together would
-# leave the front end one long job while the GPU waits for their successors).
+# How many tokens a whole (not streamed) response's channel gathers between reads: rare enough that
+# a batch of them costs the pump nothing per step, frequent enough that their text is made while
+# the engine still decodes (all at the end, a batch of them finishing together would leave the
+# front end one long job while the GPU waits for their successors).
 HELD_TOKENS = 128
+# Whole responses read in one pump pass at most: a batch of them started together comes due at the
+# same step, and reading all of it at once held the event loop (and every stream) for tens of ms.
+WHOLE_READS_PER_PASS = 8
 
 
 @dataclass
@@ -33,11 +37,6 @@ class Pending:
     deadline_ns: int = 0  # when the request times out (0: never)
     payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
     logprobs: LogprobStream | None = None  # the request's rows in the logprob area, when it asked
-    # A whole (not streamed) response: after the first tokens its reader wakes once per HELD_TOKENS
-    # tokens and for the terminal, not once a step each (EngineClient.stream_batches).
-    defer: bool = False
-    held: list[TokenEvent] = field(default_factory=list)  # deferred events (HELD_TOKENS at most)
-    woke: bool = False  # tokens were queued already
 
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
         """The first `n` tokens as non-final events."""
@@ -50,29 +49,13 @@ class Pending:
                 if not self._row_holds(lp.token_id, token, i):
                     return
                 prompt = self.logprobs.prompt()
-                self._put(TokenEvent(self.request_id, token, None, None, stamp, lp, prompt))
+                self.queue.put_nowait(TokenEvent(self.request_id, token, None, None, stamp, lp, prompt))
         else:
             # tolist() once: numpy scalar indexing per token was a visible share of a saturated front end.
             for token, stamp in zip(tokens[:n].tolist(), times[:n].tolist(), strict=True):
-                self._put(TokenEvent(self.request_id, token, timestamp_ns=stamp))
-        self.woke = True
-
-    def _put(self, event: TokenEvent) -> None:
-        if not (self.defer and self.woke):
-            self.queue.put_nowait(event)
-            return
-        self.held.append(event)
-        if len(self.held) >= HELD_TOKENS:
-            self._flush()
-
-    def _flush(self) -> None:
-        for held in self.held:
-            self.queue.put_nowait(held)
-        self.held.clear()
+                self.queue.put_nowait(TokenEvent(self.request_id, token, timestamp_ns=stamp))
 
     def _final(self, event: TokenEvent) -> None:
-        """The terminal event, after any deferred ones."""
-        self._flush()
         self.queue.put_nowait(event)
         self.terminated = True
 
@@ -154,6 +137,42 @@ class ChannelBounds:
             fault = f"done word {generation} came without a final count (count word {count})"
         self.faults += fault is not None
         return fault
+
+
+def slots_to_read(
+    tracked: np.ndarray,
+    ends: np.ndarray,
+    counts: np.ndarray,
+    delivered: np.ndarray,
+    whole: np.ndarray,
+    bounds: ChannelBounds,
+) -> np.ndarray:
+    """The tracked slots the pump reads this pass: those with an end word (`ends`) or unread tokens,
+    less the whole responses that rest (`resting`) and those past this pass's share (`spread`)."""
+    unread = (counts != delivered) & ~resting(whole, delivered, counts, bounds)
+    return spread(np.nonzero(tracked & (ends | unread))[0], whole, counts, delivered)
+
+
+def resting(
+    whole: np.ndarray, delivered: np.ndarray, counts: np.ndarray, bounds: ChannelBounds
+) -> np.ndarray:
+    """Per slot: a whole response, read once already, whose channel holds fewer than HELD_TOKENS
+    unread tokens and keeps its bounds. The pump leaves it unread (its tokens wait in the channel),
+    so a batch of whole responses costs no Python per step."""
+    unread_ok = (delivered <= counts) & (counts < delivered + np.uint64(HELD_TOKENS))
+    return whole & (delivered > 0) & unread_ok & (counts <= bounds.max_tokens) & ~bounds.faulted
+
+
+def spread(slots: np.ndarray, whole: np.ndarray, counts: np.ndarray, delivered: np.ndarray) -> np.ndarray:
+    """`slots` less the whole responses beyond the WHOLE_READS_PER_PASS with the most unread tokens:
+    those wait in their channels for a later pass."""
+    heavy = whole[slots]
+    if np.count_nonzero(heavy) <= WHOLE_READS_PER_PASS:
+        return slots
+    candidates = slots[heavy]
+    backlog = counts[candidates].astype(np.int64) - delivered[candidates].astype(np.int64)
+    chosen = candidates[np.argpartition(-backlog, WHOLE_READS_PER_PASS)[:WHOLE_READS_PER_PASS]]
+    return np.sort(np.concatenate([slots[~heavy], chosen]))
 
 
 def terminal_written(region: RingRegion, slot: int) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from blink_appliance.wire.channels import ChannelBounds, Pending, terminal_written
+from blink_appliance.wire.channels import ChannelBounds, Pending, slots_to_read, terminal_written
 from blink_appliance.wire.engine_watch import EngineWatch
 from blink_appliance.wire.errors import EngineBusyError, EngineDeadError
 from blink_appliance.wire.prefix_hash import arena_words
@@ -80,6 +80,7 @@ class EngineClient:
         n = self.geometry.max_inflight
         self._tracked_gen = np.zeros(n, dtype=np.uint64)  # generation we wait on per slot; 0 = free
         self._delivered = np.zeros(n, dtype=np.uint64)  # tokens read from each slot
+        self._whole = np.zeros(n, dtype=bool)  # the slot's response is sent whole (read in batches)
         self._bounds = ChannelBounds(n)  # what each tracked channel's words may hold
         self._by_slot: dict[int, Pending] = {}
         self._by_id: dict[int, Pending] = {}
@@ -215,7 +216,7 @@ class EngineClient:
         deadline = time.monotonic_ns() + self.request_timeout_ns if self.request_timeout_ns else 0
         pending = Pending(request_id, slot, generation, deadline_ns=deadline, logprobs=stream)
         self._by_id[request_id] = self._by_slot[slot] = pending
-        self._tracked_gen[slot], self._delivered[slot] = generation, 0
+        self._tracked_gen[slot], self._delivered[slot], self._whole[slot] = generation, 0, False
         return request_id
 
     async def stream(self, request_id: int) -> AsyncIterator[TokenEvent]:
@@ -227,14 +228,13 @@ class EngineClient:
                     yield event
 
     async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
-        """The request's events as they arrived: each list holds every event queued when the
-        consumer got to it (one wake-up for many tokens under load); the last one ends with the
-        terminal event. `whole` (a response sent whole): after the first tokens, the rest come
-        HELD_TOKENS at a time, the last with the terminal. Leaving early cancels the request."""
+        """The request's events as they arrived, a list per wake-up, the last ending with the terminal
+        event. `whole` (a response sent whole): after the first tokens, the rest come HELD_TOKENS or
+        more at a time (channels.resting). Leaving early cancels the request."""
         pending = self._by_id.get(request_id)
         if pending is None:
             raise KeyError(f"unknown or already finished request id {request_id}")
-        pending.defer = whole
+        self._whole[pending.slot] = whole
         finished = False
         try:
             while True:
@@ -346,14 +346,13 @@ class EngineClient:
         final = (prog["count"] & np.uint64(FINAL_BIT)) != 0
         done = tracked & (prog["done"] == self._tracked_gen)
         bad_done = tracked & ~done & self._bounds.bad_done(prog["done"], self._tracked_gen)
-        moved = False
-        slots = np.nonzero(tracked & (done | bad_done | final | (counts != self._delivered)))[0]
+        moved, bounds, ends = False, self._bounds, done | bad_done | final
+        slots = slots_to_read(tracked, ends, counts, self._delivered, self._whole, bounds)
         # Streams that only got tokens: their tokens and stamps in one read (one transfer over NIXL).
         # (Words the engine cannot have written are left to _drain_slot, which finds them out.)
-        bounds = self._bounds
         flowing = [
             int(s) for s in slots
-            if not (done[s] | bad_done[s] | final[s] | bounds.faulted[s])
+            if not (ends[s] | bounds.faulted[s])
             and self._delivered[s] < counts[s] <= bounds.max_tokens[s]
         ]  # fmt: skip
         spans = [(s, int(self._delivered[s]), int(counts[s])) for s in flowing]
