@@ -1,4 +1,4 @@
-"""`blink-appliance`: up, frontend, check, models pull|list, top, bench serve|interfere."""
+"""`blink-appliance`: up, fleet, frontend, check, models pull|list, top, bench serve|interfere."""
 
 from __future__ import annotations
 
@@ -28,6 +28,24 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     return run_up(profile, Path(args.profile).resolve(), host=args.host, port=args.port)
+
+
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    load_profile(args.profile)  # a bad profile is refused here, not in every replica
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    try:
+        import ray.serve  # noqa: F401
+        import tomli_w  # noqa: F401
+
+        from blink_appliance.fleet import serve_fleet
+    except ImportError as e:
+        print(
+            f"error: blink-appliance fleet needs the fleet extra (pip install -e '.[fleet]'): {e}",
+            file=sys.stderr,
+        )
+        return 2
+    return serve_fleet(str(Path(args.profile).resolve()), args.replicas, args.host, args.port, args.address)
 
 
 def _cmd_frontend(args: argparse.Namespace) -> int:
@@ -317,6 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default=None, help="override frontend.host")
     up.add_argument("--port", type=int, default=None, help="override frontend.port (0: any free port)")
     up.set_defaults(func=_cmd_up)
+
+    fleet = sub.add_parser(
+        "fleet", help="serve several appliances of a profile as one endpoint on Ray Serve (docs/fleet.md)"
+    )
+    fleet.add_argument("profile", help="the profile every replica runs (the same path on every node)")
+    fleet.add_argument("--replicas", type=int, default=2, help="appliances to run (default: 2)")
+    fleet.add_argument("--host", default="127.0.0.1", help="where Ray's proxy listens")
+    fleet.add_argument("--port", type=int, default=8000)
+    fleet.add_argument("--address", default=None, help="a Ray cluster to join (default: start a local one)")
+    fleet.set_defaults(func=_cmd_fleet)
 
     fe = sub.add_parser(
         "frontend",

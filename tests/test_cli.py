@@ -198,13 +198,21 @@ def test_up_refuses_bad_overrides(tmp_path, capsys):
     assert "frontend.port" in capsys.readouterr().err
 
 
+def test_fleet_refuses_a_bad_profile_or_replica_count_before_starting_ray(tmp_path, capsys):
+    assert main(["fleet", str(tmp_path / "missing.toml")]) == 2
+    assert "profile not found" in capsys.readouterr().err
+    path = _profile(tmp_path, '[[models]]\nname = "t"\nsource = "dummy:tiny"\nkv_budget_gib = 0.001\n')
+    assert main(["fleet", str(path), "--replicas", "0"]) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err
+
+
 def test_console_script_is_installed():
     exe = Path(sys.executable).parent / "blink-appliance"
     if not exe.exists():
         pytest.skip("package not installed into this interpreter's environment")
     r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
-    for command in ("up", "check", "models", "top"):
+    for command in ("up", "fleet", "check", "models", "top"):
         assert command in r.stdout
 
 

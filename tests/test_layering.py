@@ -38,6 +38,7 @@ AREAS = {
     "blink_appliance.gpu_sharing": "gpu sharing",
     "blink_appliance.ring_agent": "ring agent",
     "blink_appliance.cli": "cli",
+    "blink_appliance.fleet": "fleet",
     "blink_appliance": "package",
 }
 _ENGINE = {"wire", "kernels", "processes", "model", "telemetry", "profile", "engine plan"}
@@ -60,8 +61,19 @@ MAY_IMPORT = {
     "gpu sharing": {"profile"},
     "ring agent": {"wire", "processes", "profile"},
     "daemon": {"wire", "processes", "model", "profile", "telemetry", "gpu sharing"},
+    "fleet": {"profile"},  # it runs `up` in a child process: the daemon is below it, not imported
     "cli": _ENGINE
-    | {"reference engine", "loop engine", "engine", "daemon", "tui", "bench", "gpu sharing", "frontend"},
+    | {
+        "reference engine",
+        "loop engine",
+        "engine",
+        "daemon",
+        "tui",
+        "bench",
+        "gpu sharing",
+        "frontend",
+        "fleet",
+    },
 }
 # Libraries the front end never loads: it runs on a DPU's Arm cores, where none of them is installed.
 GPU_LIBRARIES = {"torch", "triton", "cupy", "cuda"}

@@ -1,0 +1,111 @@
+"""The fleet (blink_appliance/fleet.py): two CPU appliances behind Ray Serve answer as one
+endpoint, driven by the `openai` client, and stopping one mid-load loses no accepted request."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the fleet extra (ray[serve]) is not installed")
+serve = pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
+openai = pytest.importorskip("openai")
+
+from blink_appliance.fleet import REPLICA_HEADER, ApplianceReplica, fleet_app, replica_profile  # noqa: E402
+from tests.live_appliance import API_KEY, MODEL_NAME, write_profile  # noqa: E402
+
+OUTPUT_TOKENS = 48
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_each_replica_gets_a_ring_region_of_its_own(tmp_path: Path) -> None:
+    """Two appliances on one host must not share a region: a replica's profile renames it, and
+    keeps every other key as written."""
+    profile = write_profile(tmp_path, "dummy:tiny")
+    from blink_appliance.profile import load_profile
+
+    base, derived = load_profile(profile), load_profile(replica_profile(profile, tmp_path, "abc"))
+    assert derived.appliance.shm_name == base.appliance.shm_name + "-abc"
+    assert derived.model_dump(exclude={"appliance"}) == base.model_dump(exclude={"appliance"})
+
+
+async def test_a_replica_whose_appliance_is_gone_refuses_with_retry_after() -> None:
+    """The relay answers 503 with OpenAI's error body and Retry-After, which clients retry."""
+    from starlette.requests import Request
+
+    replica = object.__new__(ApplianceReplica)
+    replica.url, replica.name, replica._session = f"http://127.0.0.1:{free_port()}", "gone", None
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "query_string": b"", "headers": []}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    response = await replica(Request(scope, receive))
+    await replica._session.close()
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert b'"type":"service_unavailable"' in response.body
+
+
+@pytest.fixture
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def _stream(client: openai.AsyncOpenAI, k: int) -> tuple[str, list[str | None], int]:
+    """One streamed completion: the replica that answered, each chunk's finish_reason, and the
+    completion tokens its usage counts."""
+    raw = await client.completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=[5 + k, 6, 7], max_tokens=OUTPUT_TOKENS, stream=True, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    finishes, used = [], 0
+    async for chunk in raw.parse():
+        finishes += [c.finish_reason for c in chunk.choices]
+        used = chunk.usage.completion_tokens if chunk.usage else used
+    return raw.headers[REPLICA_HEADER], finishes, used
+
+
+async def test_two_appliances_are_one_endpoint_and_stopping_one_loses_no_request(tmp_path: Path, ray_cluster):
+    profile = str(write_profile(tmp_path, "dummy:tiny", drain_timeout_s=30.0))
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    await asyncio.to_thread(serve.run, fleet_app(profile, 2), name="blink", route_prefix="/")
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=10)
+
+    first: list[tuple[str, list[str | None], int]] = []
+    for _ in range(10):  # Ray's router picks by queue lengths: both appliances answer soon
+        first += await asyncio.gather(*(_stream(client, k) for k in range(12)))
+        if len({replica for replica, _, _ in first}) == 2:
+            break
+    assert len({replica for replica, _, _ in first}) == 2, "Ray's proxy used one appliance only"
+
+    # Mid-load, scale to one replica: Ray stops routing to one, waits for its requests, then its
+    # appliance drains. Requests keep arriving meanwhile.
+    load = [asyncio.create_task(_stream(client, k)) for k in range(24)]
+    await asyncio.sleep(0.5)
+    scale = asyncio.create_task(
+        asyncio.to_thread(serve.run, fleet_app(profile, 1), name="blink", route_prefix="/")
+    )
+    late = [asyncio.create_task(_stream(client, k)) for k in range(12)]
+    results = await asyncio.gather(*load, *late)
+    await scale
+    for _, finishes, used in first + results:
+        # Exactly one terminal event per request, and every token of it.
+        assert [f for f in finishes if f is not None] == ["length"] and used == OUTPUT_TOKENS
+    status = serve.status().applications["blink"].deployments["blink-appliance"]
+    assert status.replica_states.get("RUNNING") == 1, status
+    after = await asyncio.gather(*(_stream(client, k) for k in range(4)))
+    assert len({replica for replica, _, _ in after}) == 1
+    await client.close()
