@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -18,6 +17,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from blink_appliance.processes import stop_child
 
 
 class ServerStartError(RuntimeError):
@@ -129,14 +130,7 @@ class ServerProcess:
         """SIGTERM (the appliance drains), wait, SIGKILL if it does not go; its exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_child(self.proc, timeout_s)[0]
 
     def log_tail(self, lines: int = 40) -> str:
         try:

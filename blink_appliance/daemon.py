@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blink_appliance.processes import set_on_signals
+from blink_appliance.processes import set_on_signals, stop_child
 from blink_appliance.profile import Profile, ProfileError, region_name, ring_geometry
 from blink_appliance.wire.client import ENGINE_STALL_LIMIT_S
 from blink_appliance.wire.lifecycle import mark_engine_exited
@@ -100,15 +100,12 @@ class _Child:
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM, wait, SIGKILL if it does not go; returns the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            say(f"{self.name} did not stop within {timeout_s:.0f}s; killing it")
-            self.proc.kill()
-            return self.proc.wait()
+        if self.proc is None:
+            return None
+        code, killed = stop_child(self.proc, timeout_s)
+        if killed:
+            say(f"{self.name} did not stop within {timeout_s:.0f}s; killed it")
+        return code
 
 
 class HeartbeatWatch:

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from blink_appliance.processes import stop_child
 from blink_appliance.profile import load_profile
 
 try:
@@ -144,13 +145,7 @@ class ApplianceReplica:
             self._stop(self.drain_timeout_s + 15.0)
 
     def _stop(self, timeout_s: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_child(self.proc, timeout_s)
         self._dir.cleanup()
 
 

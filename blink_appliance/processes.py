@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -45,6 +46,19 @@ def set_on_signals(event: threading.Event, signals: Iterable[signal.Signals]) ->
                 event.set()
 
     threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
+    """SIGTERM (a blink process drains on it), wait up to `timeout_s`, SIGKILL if it is still there:
+    its exit code, and whether it had to be killed."""
+    if proc.poll() is not None:
+        return proc.returncode, False
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s), False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(), True
 
 
 def watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:

@@ -61,7 +61,10 @@ MAY_IMPORT = {
     "gpu sharing": {"profile"},
     "ring agent": {"wire", "processes", "profile"},
     "daemon": {"wire", "processes", "model", "profile", "telemetry", "gpu sharing"},
-    "fleet": {"profile"},  # it runs `up` in a child process: the daemon is below it, not imported
+    "fleet": {
+        "profile",
+        "processes",
+    },  # it runs `up` in a child process: the daemon is below it, not imported
     "cli": _ENGINE
     | {
         "reference engine",
