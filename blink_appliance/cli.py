@@ -286,8 +286,9 @@ def _print_rings_and_front_end(profile: Profile) -> None:
             f"({geometry.max_inflight} in flight, {geometry.request_slots} request slots, "
             f"{geometry.arena_tokens} prompt tokens)"
         )
+    replicas = any(m.replicas > 1 for m in profile.models)
     if len(profile.models) > 1:
-        print(f"engine processes: {len(profile.models)}, one per model")
+        print(f"engine processes: {len(profile.models)}, one per model" + (" replica" if replicas else ""))
     fe = profile.frontend
     auth = "bearer keys" if fe.api_keys else "no API keys (BLINK_API_KEY may add one)"
     print(f"front end http://{fe.host}:{fe.port} over {fe.transport}, {auth}")

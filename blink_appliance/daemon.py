@@ -155,7 +155,8 @@ class ApplianceDaemon:
             ModelEngine(
                 i,
                 _Child(
-                    f"engine of {m.name}" if many else "engine",
+                    (f"engine of {m.name}" if many else "engine")
+                    + (f" (replica {m.replica + 1}/{m.replicas})" if m.replicas > 1 else ""),
                     [py, "-m", "blink_appliance.engine.process", str(profile_path)]
                     + ["--model", str(i), "--parent-pid", me],
                 ),
@@ -237,7 +238,11 @@ class ApplianceDaemon:
                 self._start_frontend()
             if self._stop.is_set():  # stopped while starting: never "ready"
                 return self._shutdown(regions)
-            names = [m.name for m in self.profile.models]
+            names = list(
+                dict.fromkeys(
+                    m.name + (f" x{m.replicas}" if m.replicas > 1 else "") for m in self.profile.models
+                )
+            )
             what = f"model {names[0]}" if len(names) == 1 else f"models {', '.join(names)}"
             say(f"ready: {self.url}  ({what}; SIGTERM or Ctrl-C drains and stops)")
             print(self.url, flush=True)  # stdout carries only the URL, for scripts

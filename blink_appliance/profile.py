@@ -1,9 +1,8 @@
 """The appliance profile: one TOML file that says what to serve, where, and within which limits.
 
-Loaded with tomllib into pydantic models that forbid unknown keys, so a typo is an error naming
-its key path (`models[0].kv_fration: unknown key`), never a silently ignored setting. A profile serves one or more models, each on a ring region of its own (`region_name`,
-`ring_geometry`) served by an engine process of its own; the engine sizes the rest
-from the model's architecture (engine/plan.py), and `blink-appliance check` prints that plan.
+Loaded with tomllib into pydantic models that forbid unknown keys, so a typo is an error naming its
+key path (`models[0].kv_fration: unknown key`), never a silently ignored setting. Each model (each
+replica of one) has a ring region (`region_name`, `ring_geometry`) and an engine process of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -31,6 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from blink_appliance.profile_errors import key_path, message
 from blink_appliance.wire.link_settings import DpuSection
 from blink_appliance.wire.prefix_hash import prompt_words
 from blink_appliance.wire.ring_layout import RingGeometry
@@ -89,13 +90,23 @@ class ModelSection(_Section):
     # The priority class of this model's requests (lower runs first) when the request's API key has
     # none; a request may lower its own priority (a larger number), never raise it (docs/api.md).
     priority: Priority = 0
+    # Engines of this model, one per device (docs/profile.md, "Replicas"); the front end sends each
+    # request to the one with the fewest outstanding tokens. `devices`: default device, cuda:N+1, ...
+    replicas: int = Field(default=1, ge=1, le=64)
+    devices: list[str] | None = None
+    _replica: int = PrivateAttr(default=0)  # which of the replicas this section is, once expanded
 
-    @field_validator("device")
+    @property
+    def replica(self) -> int:
+        return self._replica
+
+    @field_validator("device", "devices")
     @classmethod
-    def _device_ok(cls, v: str) -> str:
-        if v == "cpu" or re.fullmatch(r"cuda:\d+", v):
-            return v
-        raise ValueError(f"{v!r}: expected 'cpu' or 'cuda:N'")
+    def _device_ok(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for device in [v] if isinstance(v, str) else v or []:
+            if not (device == "cpu" or re.fullmatch(r"cuda:\d+", device)):
+                raise ValueError(f"{device!r}: expected 'cpu' or 'cuda:N'")
+        return v
 
     @field_validator("kv_budget_gib")
     @classmethod
@@ -122,6 +133,8 @@ class ModelSection(_Section):
     def _consistent(self) -> ModelSection:
         if (self.kv_budget_gib is None) == (self.kv_fraction is None):
             raise ValueError("set exactly one of kv_budget_gib and kv_fraction")
+        if self.devices is not None and len(self.devices) != self.replicas:
+            raise ValueError(f"devices lists {len(self.devices)} devices for {self.replicas} replicas")
         for key in ("max_prompt_tokens", "max_output_tokens"):
             value = getattr(self, key)
             if value is not None and value >= self.max_model_len:
@@ -234,13 +247,9 @@ _DEFAULT_BUCKETS = (8, 32, 128, 512, 2048)
 
 
 class EngineSection(_Section):
-    """Which engine serves the model, and the GPU loop's capacities.
-
-    Modes: "reference" is the CPU reference engine (device "cpu"); "loop" launches the device-
-    resident loop once and the host only watches (CUDA only); "host" runs the same loop kernels
-    one step per host call, synchronizing each time (the baseline; on "cpu" under the Triton
-    interpreter, TRITON_INTERPRET=1, which is how CI runs the loop's code).
-    """
+    """Which engine serves the model, and the GPU loop's capacities. Modes: "reference", the CPU
+    reference engine; "loop", the device-resident loop launched once (CUDA only); "host", the loop's
+    kernels one synchronized step per host call (the baseline; CI runs it on "cpu", interpreted)."""
 
     mode: EngineMode | None = None  # default: "reference" on cpu, "loop" on cuda:N
     num_slots: int | None = Field(default=None, ge=1, le=65536)  # requests the loop holds at once
@@ -286,9 +295,10 @@ class Profile(_Section):
     @field_validator("models")
     @classmethod
     def _some_models(cls, v: list[ModelSection]) -> list[ModelSection]:
+        """Each section with N replicas becomes N sections of one name, an engine each."""
         if not v:
             raise ValueError("at least one [[models]] entry is required")
-        return v
+        return [_replica(m, k) for m in v for k in range(m.replicas)]
 
     @model_validator(mode="after")
     def _dpu_with_nixl(self) -> Profile:
@@ -297,14 +307,13 @@ class Profile(_Section):
             raise ValueError("frontend.transport 'nixl' needs a [dpu] section (where the front end runs)")
         if not nixl and self.dpu is not None:
             raise ValueError(
-                f"dpu: used only with frontend.transport = 'nixl' (it is {self.frontend.transport!r})"
+                f"dpu: used only with frontend.transport = 'nixl' (not {self.frontend.transport!r})"
             )
         return self
 
     @property
     def model(self) -> ModelSection:
-        """The one model of a single-model profile; several models need an explicit index, so that
-        nothing serves models[0] alone by accident."""
+        """The one model of a single-model profile (several need an index: none serves models[0] by accident)."""
         return self.models[self._only_index()]
 
     def _only_index(self) -> int:
@@ -331,9 +340,8 @@ class Profile(_Section):
 
     def engine_mode_of(self, index: int) -> EngineMode:
         """engine.mode when set (it applies to every model), else by models[index].device."""
-        if self.engine.mode is not None:
-            return self.engine.mode
-        return "reference" if self.models[index].device == "cpu" else "loop"
+        cpu = self.models[index].device == "cpu"
+        return self.engine.mode if self.engine.mode is not None else "reference" if cpu else "loop"
 
     def uses_loop_of(self, index: int) -> bool:
         """Served by the GPU loop's code (mode "loop" or "host"), not the CPU reference engine."""
@@ -341,9 +349,8 @@ class Profile(_Section):
 
     def num_slots_of(self, index: int) -> int:
         """Loop slots: every request the front end may have in flight, and at least one step's batch."""
-        if self.engine.num_slots is not None:
-            return self.engine.num_slots
-        return max(self.models[index].max_seqs, self.frontend.max_inflight)
+        slots = self.engine.num_slots
+        return slots if slots is not None else max(self.models[index].max_seqs, self.frontend.max_inflight)
 
     def buckets_of(self, index: int) -> tuple[int, ...]:
         if self.engine.buckets is not None:
@@ -405,7 +412,7 @@ class Profile(_Section):
         of one CUDA device (each is of the memory left after all of that device's weights)."""
         errors, first = [], {}
         for i, m in enumerate(self.models):
-            if m.name in first:
+            if m.name in first and not m.replica:
                 errors.append(f"models[{i}].name: duplicate of models[{first[m.name]}].name ({m.name!r})")
             first.setdefault(m.name, i)
         by_device: dict[str, list[int]] = {}
@@ -425,6 +432,7 @@ class Profile(_Section):
     def with_overrides(self, *, host: str | None = None, port: int | None = None) -> Profile:
         """A copy with the front end's address replaced (validated like the file)."""
         data = self.model_dump()
+        data["models"] = [m.model_dump() for m in self.models if not m.replica]  # as declared
         if host is not None:
             data["frontend"]["host"] = host
         if port is not None:
@@ -432,27 +440,20 @@ class Profile(_Section):
         return parse_profile(data)
 
 
-def _key_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(profile)"
-
-
-def _message(err: dict[str, Any]) -> str:
-    if err["type"] == "extra_forbidden":
-        return "unknown key"
-    if err["type"] == "missing":
-        return "required key is missing"
-    msg = str(err["msg"])
-    return msg.removeprefix("Value error, ")
+def _replica(m: ModelSection, k: int) -> ModelSection:
+    """Replica k of section `m`: on devices[k], or the k-th CUDA device from `device` on."""
+    on_cuda = m.device != "cpu"
+    device = m.devices[k] if m.devices else f"cuda:{int(m.device[5:]) + k}" if on_cuda else m.device
+    copy = m.model_copy(update={"device": device})
+    copy._replica = k
+    return copy
 
 
 def parse_profile(data: dict[str, Any], *, origin: str = "profile") -> Profile:
     try:
         profile = Profile.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {_key_path(tuple(err['loc']))}: {_message(err)}" for err in e.errors()]
+        lines = [f"  {key_path(tuple(err['loc']))}: {message(err)}" for err in e.errors()]
         raise ProfileError(f"{origin} is invalid:\n" + "\n".join(lines)) from None
     errors = profile.model_set_errors() + profile.engine_errors()
     if errors:

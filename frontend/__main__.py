@@ -88,10 +88,14 @@ async def serve(
 
     models, fe = profile.models, profile.frontend
     pin_cpus(fe.cpus, "frontend.cpus", ProfileError)
-    # Each model's tokenizer in its own thread: loading them one after another adds up.
-    tokenizers = await asyncio.gather(
-        *(asyncio.to_thread(serving_tokenizer, m.model_source, i) for i, m in enumerate(models))
+    # Each model's tokenizer in its own thread: loading them one after another adds up. Replicas
+    # of a model share it.
+    firsts = [i for i, m in enumerate(models) if not m.replica]
+    loaded = await asyncio.gather(
+        *(asyncio.to_thread(serving_tokenizer, models[i].model_source, i) for i in firsts)
     )
+    by_name = {models[i].name: tokenizer for i, tokenizer in zip(firsts, loaded, strict=True)}
+    tokenizers = [by_name[m.name] for m in models]
     geometries = [ring_geometry(profile, i) for i in range(len(models))]
     plans = [RegionPlan(m.name, region_name(profile, i), geometries[i]) for i, m in enumerate(models)]
     dpu = profile.dpu if fe.transport == "nixl" else None
@@ -161,11 +165,12 @@ def _services(
     geometries: list[RingGeometry],
     parent_pid: int | None,
 ) -> tuple[ModelRouter, TelemetrySource | None]:
-    """One CompletionService per model (its engine link, tokenizer, limits, metrics), the router
-    over them, and the telemetry source that watches every engine."""
+    """One CompletionService per model (its engine link, or its replicas' behind a ReplicaSet; its
+    tokenizer, limits, metrics), the router over them, and the telemetry source that watches them."""
     from blink_appliance.frontend.completion_service import CompletionService, ServiceLimits
     from blink_appliance.frontend.metrics import MetricsRegistry, ServingMetrics
     from blink_appliance.frontend.model_router import ModelRouter
+    from blink_appliance.frontend.replicas import ReplicaSet
 
     from blink_appliance.model.detokenizer import IncrementalDetokenizer
     from blink_appliance.telemetry.gpu import GpuSampler
@@ -175,6 +180,7 @@ def _services(
 
     models = profile.models
     one = len(models) == 1
+    clients: dict[str, Any] = {}  # each model's client: its engine's, or its replicas' ReplicaSet
 
     def appliance_processes() -> dict[str, int | None]:
         # Each engine's pid from its ring header, read each sample: it changes when the daemon
@@ -182,16 +188,18 @@ def _services(
         # are another host's processes, which this host cannot sample.
         if links.remote is not None:
             return {"frontend": os.getpid()}
+        names = [
+            "engine" if one else f"engine:{m.name}" + (f"#{m.replica}" if m.replica else "") for m in models
+        ]
         engines = {
-            "engine" if one else f"engine:{link.model}": link.client.region.load("engine_pid")
-            for link in links
+            name: link.client.region.load("engine_pid") for name, link in zip(names, links, strict=True)
         }
         return {"daemon": parent_pid, "frontend": os.getpid(), **engines}
 
     telemetry = (
         TelemetrySource(
-            lambda: {link.model: link.client.telemetry() for link in links},
-            models=[m.name for m in models],
+            lambda: {name: client.telemetry() for name, client in clients.items()},
+            models=list(dict.fromkeys(m.name for m in models)),
             interval_s=profile.telemetry.interval_s,
             host=HostSampler(appliance_processes),
             gpu=GpuSampler(_gpu_index(models)),
@@ -208,8 +216,11 @@ def _services(
 
     registry = MetricsRegistry()  # one /metrics for every model, told apart by model_name
     services = []
-    for m, link, tokenizer, geometry in zip(models, links, tokenizers, geometries, strict=True):
-        client = link.client
+    for m, tokenizer, geometry in zip(models, tokenizers, geometries, strict=True):
+        if m.replica:
+            continue
+        replicas = [link.client for link, r in zip(links, models, strict=True) if r.name == m.name]
+        client = clients[m.name] = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
         refusal = constraint_refusal(geometry.constraint_words, tokenizer, m.name)
         metrics = ServingMetrics(
             m.name,

@@ -377,3 +377,31 @@ def test_the_class_cap_is_off_unless_set_and_zero_pauses():
     assert parse_profile(_profile(engine={"lower_class_limit": 16})).engine.class_cap == 16
     with pytest.raises(ProfileError, match="lower_class_limit"):
         parse_profile(_profile(engine={"lower_class_limit": -1}))
+
+
+def test_replicas_become_one_section_and_region_each_on_their_devices():
+    """`replicas = N`: N engines of one name, each with its own region; on CUDA, one device each
+    from `device` up unless `devices` says which."""
+    from blink_appliance.profile import region_name
+
+    cpu = parse_profile(_profile(model={"replicas": 2}))
+    assert [(m.name, m.device, m.replica) for m in cpu.models] == [("m", "cpu", 0), ("m", "cpu", 1)]
+    assert len({region_name(cpu, i) for i in range(2)}) == 2
+    gpu = parse_profile(_profile(model={"replicas": 3, "device": "cuda:1"}))
+    assert [m.device for m in gpu.models] == ["cuda:1", "cuda:2", "cuda:3"]
+    chosen = parse_profile(
+        _profile(model={"replicas": 2, "device": "cuda:0", "devices": ["cuda:4", "cuda:6"]})
+    )
+    assert [m.device for m in chosen.models] == ["cuda:4", "cuda:6"]
+    # Overriding the address keeps the replicas as they were, not N x N of them.
+    assert [m.device for m in gpu.with_overrides(port=0).models] == ["cuda:1", "cuda:2", "cuda:3"]
+
+
+def test_replica_errors_name_their_key():
+    assert "models[0]: devices lists 1 devices for 2 replicas" in _error(
+        _profile(model={"replicas": 2, "devices": ["cpu"]})
+    )
+    assert "models[0].devices" in _error(_profile(model={"replicas": 1, "devices": ["gpu0"]}))
+    assert "models[0].replicas" in _error(_profile(model={"replicas": 0}))
+    two = {"models": [dict(MINIMAL_MODEL), dict(MINIMAL_MODEL, replicas=2)]}
+    assert "models[1].name: duplicate of models[0].name" in _error(two)
