@@ -123,11 +123,14 @@ class ApplianceReplica:
         if upstream.content_type == "text/event-stream":
 
             async def relay() -> Any:
-                try:  # leaving early (the client went away) closes the upstream: the appliance cancels
+                try:
                     async for chunk in upstream.content.iter_any():
                         yield chunk
                 finally:
-                    upstream.release()
+                    if upstream.content.at_eof():
+                        upstream.release()
+                    else:  # the client went away: closing the upstream cancels the request there
+                        upstream.close()
 
             return StreamingResponse(relay(), status_code=upstream.status, headers=out)
         body = await upstream.read()

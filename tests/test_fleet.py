@@ -53,6 +53,44 @@ async def test_a_replica_whose_appliance_is_gone_refuses_with_retry_after() -> N
     assert b'"type":"service_unavailable"' in response.body
 
 
+async def test_a_client_leaving_a_relayed_stream_closes_it_at_the_appliance(aiohttp_server) -> None:
+    """The relay's upstream closes when its client goes away, so the appliance cancels the request."""
+    from aiohttp import web
+    from starlette.requests import Request
+
+    left = asyncio.Event()
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for k in range(1000):
+                await response.write(f"data: {k}\n\n".encode())
+                await asyncio.sleep(0.01)
+        except (ConnectionResetError, asyncio.CancelledError):
+            left.set()
+            raise
+        return response
+
+    app = web.Application(handler_args={"handler_cancellation": True})
+    app.router.add_post("/v1/completions", sse)
+    server = await aiohttp_server(app)
+    replica = object.__new__(ApplianceReplica)
+    replica.url, replica.name, replica._session = str(server.make_url("")).rstrip("/"), "a", None
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": []}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    response = await replica(Request(scope, receive))
+    assert response.headers[REPLICA_HEADER] == "a"
+    chunks = response.body_iterator
+    assert (await anext(chunks)).startswith(b"data: 0")
+    await chunks.aclose()  # the client went away
+    await asyncio.wait_for(left.wait(), 10)
+    await replica._session.close()
+
+
 @pytest.fixture
 def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
