@@ -64,8 +64,8 @@ class ApplianceReplica:
         self.tag = uuid.uuid4().hex[:8]
         self._dir = tempfile.TemporaryDirectory(prefix="blink-fleet-")
         path = replica_profile(Path(profile), Path(self._dir.name), self.tag)
-        self.name = load_profile(path).appliance.shm_name
-        self.drain_timeout_s = load_profile(path).appliance.drain_timeout_s
+        appliance = load_profile(path).appliance
+        self.name, self.drain_timeout_s = appliance.shm_name, appliance.drain_timeout_s
         exe = Path(sys.executable).parent / "blink-appliance"
         started = threading.Event()
 
@@ -152,25 +152,21 @@ class ApplianceReplica:
         self._dir.cleanup()
 
 
-def replica_gpus(profile: str) -> int:
-    """The GPUs one appliance of `profile` owns: its models' distinct CUDA devices."""
-    return len({m.device for m in load_profile(profile).models if m.device.startswith("cuda")})
-
-
 def fleet_app(profile: str, replicas: int, *, graceful_shutdown_timeout_s: float | None = None) -> Any:
     """The Ray Serve application: `replicas` appliances of `profile`, each owning its GPUs. A stopping
     replica gets its appliance's drain time and more before Ray cuts its requests off."""
     from ray import serve
 
-    drain = load_profile(profile).appliance.drain_timeout_s
+    p = load_profile(profile)
+    gpus = len({m.device for m in p.models if m.device.startswith("cuda")})  # what one appliance owns
     deployment = serve.deployment(
         ApplianceReplica,
         name="blink-appliance",
         num_replicas=replicas,
-        ray_actor_options={"num_cpus": 0, "num_gpus": replica_gpus(profile)},
-        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s or drain + 30.0,
+        ray_actor_options={"num_cpus": 0, "num_gpus": gpus},
+        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s or p.appliance.drain_timeout_s + 30.0,
         health_check_period_s=2.0,
-        max_ongoing_requests=load_profile(profile).frontend.max_inflight,
+        max_ongoing_requests=p.frontend.max_inflight,
     )
     return deployment.bind(str(Path(profile).resolve()))
 

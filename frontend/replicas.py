@@ -5,6 +5,7 @@ outstanding tokens: prompt and max_tokens at submit, less each token as it strea
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -65,12 +66,15 @@ class ReplicaSet:
         placed = self._placed.get(request_id)
         if placed is None:
             raise KeyError(f"unknown or already finished request id {request_id}")
+        inner = self.clients[placed.replica].stream_batches(placed.inner_id, whole)
         try:
-            async for batch in self.clients[placed.replica].stream_batches(placed.inner_id, whole):
-                spent = min(placed.outstanding, sum(e.token_id is not None for e in batch))
-                placed.outstanding -= spent
-                self.outstanding[placed.replica] -= spent
-                yield batch
+            # Closed with this stream: leaving early must cancel the request in its engine now.
+            async with contextlib.aclosing(inner):
+                async for batch in inner:
+                    spent = min(placed.outstanding, sum(e.token_id is not None for e in batch))
+                    placed.outstanding -= spent
+                    self.outstanding[placed.replica] -= spent
+                    yield batch
         finally:
             self._forget(request_id)
 
@@ -79,11 +83,6 @@ class ReplicaSet:
         if placed is not None:
             self.clients[placed.replica].abandon(placed.inner_id)
             self._forget(request_id)
-
-    def cancel(self, request_id: int) -> None:
-        placed = self._placed.get(request_id)
-        if placed is not None:
-            self.clients[placed.replica].cancel(placed.inner_id)
 
     def _forget(self, request_id: int) -> None:
         placed = self._placed.pop(request_id, None)

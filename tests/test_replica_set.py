@@ -21,7 +21,7 @@ class FakeClient:
         self.engine_alive, self.busy = alive, busy
         self.submitted: list[tuple[list[int], int]] = []
         self.queues: dict[int, asyncio.Queue[list[TokenEvent]]] = {}
-        self.cancelled: list[int] = []
+        self.closed: list[int] = []  # streams that ended, fully read or left early
         self.abandoned: list[int] = []
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> int:
@@ -33,14 +33,14 @@ class FakeClient:
         return rid
 
     async def stream_batches(self, request_id: int, whole: bool = False):
-        while True:
-            batch = await self.queues[request_id].get()
-            yield batch
-            if batch[-1].finished:
-                return
-
-    def cancel(self, request_id: int) -> None:
-        self.cancelled.append(request_id)
+        try:
+            while True:
+                batch = await self.queues[request_id].get()
+                yield batch
+                if batch[-1].finished:
+                    return
+        finally:
+            self.closed.append(request_id)
 
     def abandon(self, request_id: int) -> None:
         self.abandoned.append(request_id)
@@ -71,12 +71,16 @@ async def test_requests_go_to_the_replica_with_the_fewest_outstanding_tokens():
     assert replicas.outstanding == [0, 31]
     fourth = await replicas.submit([1], params(5))
     assert len(a.submitted) == 2
-    # Cancel and abandon reach the replica that holds the request, under its own id there.
-    replicas.cancel(small)
+    # Abandoning reaches the replica that holds the request, under its own id there; leaving a
+    # stream early cancels it through that replica's stream.
     replicas.abandon(third)
     replicas.abandon(fourth)
-    assert b.cancelled == [101] and b.abandoned == [102] and a.abandoned == [102]
-    assert replicas.outstanding == [0, 20]
+    assert b.abandoned == [102] and a.abandoned == [102] and replicas.outstanding == [0, 20]
+    b.queues[101].put_nowait([TokenEvent(101, 1)])
+    stream = replicas.stream_batches(small)
+    await anext(stream)
+    await stream.aclose()
+    assert b.closed == [101] and replicas.outstanding == [0, 0]
 
 
 async def test_a_dead_replica_gets_no_requests_and_a_full_one_passes_them_on():
