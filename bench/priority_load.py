@@ -24,7 +24,6 @@ import datetime
 import json
 import multiprocessing
 import random
-import re
 import shlex
 import shutil
 import subprocess
@@ -69,22 +68,22 @@ def gc_pauses(url: str) -> dict[str, float]:
     generation: how many, their total seconds, and how many took over 10 ms."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        found = re.match(r"blink_frontend_gc_pause_seconds_(count|sum|bucket)\{([^}]*)\}", line)
-        if found is None:
+    for family in text_string_to_metric_families(text):
+        if family.name != "blink_frontend_gc_pause_seconds":
             continue
-        kind, labels = found[1], dict(re.findall(r'(\w+)="([^"]*)"', found[2]))
-        le, gen = labels.get("le"), labels["generation"]
-        value = float(line.rpartition(" ")[2])
-        if kind == "bucket" and le == "0.01":
-            out[f"gen{gen}_over_10ms"] = out.get(f"gen{gen}_over_10ms", 0.0) - value
-        elif kind == "count":
-            out[f"gen{gen}_count"] = value
-            out[f"gen{gen}_over_10ms"] = out.get(f"gen{gen}_over_10ms", 0.0) + value
-        elif kind == "sum":
-            out[f"gen{gen}_s"] = value
+        for sample in family.samples:
+            gen = f"gen{sample.labels['generation']}"
+            over = out.get(f"{gen}_over_10ms", 0.0)
+            if sample.name.endswith("_count"):
+                out[f"{gen}_count"], out[f"{gen}_over_10ms"] = sample.value, over + sample.value
+            elif sample.name.endswith("_sum"):
+                out[f"{gen}_s"] = sample.value
+            elif sample.labels.get("le") == "0.01":
+                out[f"{gen}_over_10ms"] = over - sample.value
     return out
 
 

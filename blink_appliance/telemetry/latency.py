@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from blink_appliance.telemetry.snapshot import LatencyStats
 
@@ -83,7 +84,7 @@ class TokenLatencyTracker:
     def record_first_token(self, request_start_ns: int, now_ns: int) -> None:
         with self._lock:
             self._ttft.append((now_ns, (now_ns - request_start_ns) / _NS_PER_MS))
-            self._count_token(now_ns, itl_ms=None)
+            self._count_tokens([(now_ns, None)])
 
     def record_token(self, prev_token_ns: int, now_ns: int) -> None:
         self.record_tokens(prev_token_ns, (now_ns,))
@@ -91,22 +92,10 @@ class TokenLatencyTracker:
     def record_tokens(self, prev_token_ns: int, stamps: Sequence[int]) -> None:
         """`record_token` for each of `stamps` in turn, the first after `prev_token_ns` (one lock for
         a whole batch: the front end records every token it delivers)."""
-        index, bucket = None, None
+        itls = [(now_ns, (now_ns - prev) / _NS_PER_MS) for prev, now_ns in pairwise((prev_token_ns, *stamps))]
         with self._lock:
-            for now_ns in stamps:
-                itl_ms = (now_ns - prev_token_ns) / _NS_PER_MS
-                self._itl.append((now_ns, itl_ms))
-                prev_token_ns = now_ns
-                if now_ns // self._bucket_ns != index:  # a batch's stamps mostly share one bucket
-                    index = now_ns // self._bucket_ns
-                    bucket = self._bucket_for(index)
-                if bucket is not None:
-                    bucket.tokens += 1
-                    bucket.itl_sum_ms += itl_ms
-                    bucket.itl_count += 1
-            self._total_tokens += len(stamps)
-            if self._first_ns is None and stamps:
-                self._first_ns = stamps[0]
+            self._itl.extend(itls)
+            self._count_tokens(itls)
 
     def record_request_done(self, first_token_ns: int, last_token_ns: int, num_tokens: int) -> None:
         """TPOT of a finished request: decode time over the tokens after the first."""
@@ -116,17 +105,21 @@ class TokenLatencyTracker:
             tpot_ms = (last_token_ns - first_token_ns) / _NS_PER_MS / (num_tokens - 1)
             self._tpot.append((last_token_ns, tpot_ms))
 
-    def _count_token(self, now_ns: int, itl_ms: float | None) -> None:
-        index = now_ns // self._bucket_ns
-        bucket = self._bucket_for(index)
-        if bucket is not None:
-            bucket.tokens += 1
-            if itl_ms is not None:
-                bucket.itl_sum_ms += itl_ms
-                bucket.itl_count += 1
-        self._total_tokens += 1
-        if self._first_ns is None:
-            self._first_ns = now_ns
+    def _count_tokens(self, itls: Sequence[tuple[int, float | None]]) -> None:
+        """Tokens at (stamp, ITL ms or None for a first token) into their per-second buckets."""
+        index, bucket = None, None
+        for now_ns, itl_ms in itls:
+            if now_ns // self._bucket_ns != index:  # a batch's stamps mostly share one bucket
+                index = now_ns // self._bucket_ns
+                bucket = self._bucket_for(index)
+            if bucket is not None:
+                bucket.tokens += 1
+                if itl_ms is not None:
+                    bucket.itl_sum_ms += itl_ms
+                    bucket.itl_count += 1
+        self._total_tokens += len(itls)
+        if self._first_ns is None and itls:
+            self._first_ns = itls[0][0]
 
     def _bucket_for(self, index: int) -> _Bucket | None:
         if not self._buckets or self._buckets[-1].index < index:
