@@ -442,13 +442,8 @@ class CompletionService:
                     if not prep.score_only:
                         # The engine's spacing within the batch, ending now: the latency tracker
                         # sees its cadence, not one arrival for all of them.
-                        timer.tokens(
-                            [
-                                now - max(0, last_stamp - ev.timestamp_ns)
-                                for ev in batch
-                                if ev.token_id is not None
-                            ]
-                        )
+                        gaps = [last_stamp - ev.timestamp_ns for ev in batch if ev.token_id is not None]
+                        timer.tokens([now - max(0, gap) for gap in gaps])
                     for ev in batch:
                         reason = ev.finish_reason
                         if echo is not None and ev.token_id is not None:  # the prompt comes first
