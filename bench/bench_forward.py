@@ -219,6 +219,7 @@ class Workload:
     bucket: int
     decodes: int
     prefill: int  # tokens of one prefill chunk starting at position 0
+    context: int = DECODE_CONTEXT  # keys of every decoding sequence
 
 
 def workload(T: int) -> Workload:
@@ -230,7 +231,7 @@ def workload(T: int) -> Workload:
 def load_workload(fwd: GpuForward, w: Workload, vocab: int, num_blocks: int, max_blocks: int) -> ForwardBatch:
     b = Batcher(num_blocks, max_blocks, seed=w.bucket)
     for s in range(w.decodes):
-        b.lens[s] = DECODE_CONTEXT - 1 - (s % 7)  # slightly ragged contexts
+        b.lens[s] = w.context - 1 - (s % 7)  # slightly ragged contexts
     runs = [(s, 1) for s in range(w.decodes)] + ([(10_000, w.prefill)] if w.prefill else [])
     batch = b.batch(runs, vocab)
     fwd.load_batch(batch, w.bucket)

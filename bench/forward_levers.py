@@ -85,8 +85,8 @@ def plans(levers: set[str]):
     """The per-bucket GEMM and attention launch plans of a variant: `decode_gemms` and
     `attention_config`, with the plan levers applied."""
 
-    def gemm_plan(t: int) -> DecodeGemms:
-        g = deterministic_gemms(t) if "parts" in levers else decode_gemms(t)
+    def gemm_plan(t: int, config=None) -> DecodeGemms:
+        g = (deterministic_gemms if "parts" in levers else decode_gemms)(t, config)
         if "fp32p" in levers:
             split = [n for n in ("qkv", "o", "down") if getattr(g, n) and getattr(g, n).split_k > 1]
             g = replace(g, **{n: replace(getattr(g, n), fp32_partials=True) for n in split})
@@ -101,8 +101,8 @@ def plans(levers: set[str]):
                     g = replace(g, **{proj: replace(getattr(g, proj), **{field: value})})
         return g
 
-    def attention_plan(t: int) -> AttentionConfig:
-        a = attention_config(t)
+    def attention_plan(t: int, config=None) -> AttentionConfig:
+        a = attention_config(t, config)
         for lever in levers:
             if (lever.startswith("attn128.") and 32 < t <= 128) or lever.startswith("attn."):
                 field, value = lever.split(".", 1)[1].split("=")
@@ -137,9 +137,11 @@ def run_variant(
     log: list[str],
     profile: bool = True,
     prefill: int = 0,
+    decodes: int = 0,
+    context: int = DECODE_CONTEXT,
 ):
-    max_blocks = (DECODE_CONTEXT + max(buckets)) // BLOCK_SIZE + 2
-    num_blocks = MAX_SEQS * (DECODE_CONTEXT // BLOCK_SIZE + 1) + max(buckets) // BLOCK_SIZE + 8
+    max_blocks = (context + max(buckets)) // BLOCK_SIZE + 2
+    num_blocks = (decodes or MAX_SEQS) * (context // BLOCK_SIZE + 1) + max(buckets) // BLOCK_SIZE + 8
     kv = PagedKVCache.allocate(
         cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda"
     )
@@ -183,7 +185,10 @@ def run_variant(
     log.append(f"{name}: warm-up + capture {time.time() - t:.1f}s")
     rows, logits, profiles = [], {}, {}
     for T in buckets:
-        w = Workload(T, decodes=T - prefill, prefill=prefill) if prefill else workload(T)
+        if prefill or decodes:
+            w = Workload(T, decodes=decodes or T - prefill, prefill=prefill, context=context)
+        else:
+            w = replace(workload(T), context=context)
         load_workload(fwd, w, cfg.vocab_size, num_blocks, max_blocks)
         # One replay on the loaded step for the logits (the cache writes repeat the same slots).
         logits[T] = graphs.replay(T).clone()
@@ -214,6 +219,11 @@ def main() -> None:
         "--prefill", type=int, default=0,
         help="a mixed step: one prefill chunk of this many tokens (from position 0) and decodes in the rest",
     )  # fmt: skip
+    ap.add_argument(
+        "--decodes", type=int, default=0,
+        help="decoding sequences per step (the rest of the bucket is padding; 1: batch 1); default: the bucket",
+    )  # fmt: skip
+    ap.add_argument("--context", type=int, default=DECODE_CONTEXT, help="keys of every decoding sequence")
     args = ap.parse_args()
     buckets = tuple(int(b) for b in args.buckets.split(","))
     out = Path(args.out)
@@ -221,7 +231,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     env = dict(gpu=props.name, torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=args.model,
-               prefill=args.prefill)  # fmt: skip
+               prefill=args.prefill, decodes=args.decodes, context=args.context)  # fmt: skip
     print(json.dumps(env), flush=True)
     bw = copy_bandwidth()
     cfg = preset_config(args.model)
@@ -232,7 +242,9 @@ def main() -> None:
     for name in args.variants.split(","):
         try:
             profile = to_profile is None or name in to_profile
-            rows, logits, prof = run_variant(name, cfg, weights, buckets, bw, log, profile, args.prefill)
+            rows, logits, prof = run_variant(
+                name, cfg, weights, buckets, bw, log, profile, args.prefill, args.decodes, args.context
+            )
         except Exception as e:  # a lever this torch build lacks is reported, not fatal
             log.append(f"{name}: FAILED {type(e).__name__}: {e}")
             print(log[-1], flush=True)

@@ -80,7 +80,7 @@ def test_fixed_shape_forward_matches_reference_fp32(
         triton_gemm_max_tokens=triton_gemm_max_tokens,
         gemm_plan=decode_gemms if accumulate else deterministic_gemms,
         attention_plan=attention_config if fused_rope is None
-        else lambda t: replace(attention_config(t), fused_rope=fused_rope),
+        else lambda t, config: replace(attention_config(t, config), fused_rope=fused_rope),
     )  # fmt: skip
     # The bucket really takes the path this case is named for.
     plan = fwd._gemms(bucket)

@@ -67,8 +67,8 @@ class GpuForward:
         lm_head_fp32_out: bool | None = None,
         pdl: bool | None = None,
         triton_qkv: bool = True,
-        gemm_plan: Callable[[int], DecodeGemms] = decode_gemms,
-        attention_plan: Callable[[int], AttentionConfig] = attention_config,
+        gemm_plan: Callable[[int, ModelConfig], DecodeGemms] = decode_gemms,
+        attention_plan: Callable[[int, ModelConfig], AttentionConfig] = attention_config,
         score_rows: int = 0,
     ) -> None:
         c = config
@@ -145,7 +145,7 @@ class GpuForward:
         self._o_parts = partials("o", H, 2)
         self._down_parts = partials("down", H, 2)
         split_rows = max(
-            (attention_plan(t).splits * t for t in range(1, T + 1) if attention_plan(t).splits > 1),
+            (a.splits * t for t in range(1, T + 1) if (a := attention_plan(t, c)).splits > 1),
             default=0,
         )
         self._attn_partials = (
@@ -166,7 +166,11 @@ class GpuForward:
         self._score_logits_lp = buf(score_rows, c.vocab_size) if lp else None
 
     def _gemms(self, num_tokens: int) -> DecodeGemms:
-        g = self.gemm_plan(num_tokens) if num_tokens <= self.triton_gemm_max_tokens else CUBLAS_GEMMS
+        g = (
+            self.gemm_plan(num_tokens, self.config)
+            if num_tokens <= self.triton_gemm_max_tokens
+            else CUBLAS_GEMMS
+        )
         return g if self.triton_qkv else replace(g, qkv=None)
 
     def _split_out(self, scratch: torch.Tensor, launch: GemmLaunch, T: int, width: int) -> torch.Tensor:
@@ -206,7 +210,7 @@ class GpuForward:
         h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
         proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
-        ac = self.attention_plan(T)
+        ac = self.attention_plan(T, c)
         g = self._gemms(T)
         o_parts = g.o.split_k if g.o else 1
         down_parts = g.down.split_k if g.down else 1

@@ -1,11 +1,14 @@
 """Per-bucket launch shapes of the fixed-shape forward (model/gpu_forward.py): which projections run
 through the swap-AB Triton GEMM (kernels/skinny_gemm.py) and with what tiles, and the paged attention's
-tiles, splits and fused RoPE. Tuned on the H100; each plan's docstring cites its measurements.
+tiles, splits and fused RoPE. A plan is a function of the bucket and the model's shapes (None: Llama-3.2-1B's,
+which the plans were first tuned on). Tuned on the H100; each plan's docstring cites its measurements.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+
+from blink_appliance.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class AttentionConfig:
     fused_rope: bool = False
 
 
-def attention_config(num_tokens: int) -> AttentionConfig:
+def attention_config(num_tokens: int, config: ModelConfig | None = None) -> AttentionConfig:
     """Per bucket, from H100 sweeps (bench/attention_chain.py: 16 layers' launches in one graph, as the
     step runs them; docs/gpu_forward.md): decode buckets have few programs per layer, so key ranges are
     split to put more loads in flight and small programs (1-2 warps) start faster (T=32: 1 warp, 213 ->
@@ -33,7 +36,13 @@ def attention_config(num_tokens: int) -> AttentionConfig:
     33-128 tokens: the attention does RoPE and the cache write itself (`fused_rope`; 1B T=128
     1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and
     32 tokens it measured slower (1-warp programs need more registers for it) or a tie, so those
-    keep the RoPE kernel."""
+    keep the RoPE kernel.
+    Up to 8 tokens the keys split 16 ways for every head width. For 128-wide heads (8B, batch 1) 4
+    splits are faster at 256 keys (5.587 -> 5.530 ms) but far slower at 4096 (6.040 -> 6.818), and a
+    floor of 64 keys a split (the first splits take a short context, the rest end at once) gave
+    nothing (5.595): the idle programs cost what working ones do
+    (bench/results/2026-11-27-h100-b1-launch-plans.md).
+    """
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
@@ -95,7 +104,15 @@ class DecodeGemms:
 CUBLAS_GEMMS = DecodeGemms()
 
 
-def decode_gemms(num_tokens: int) -> DecodeGemms:
+def _split(most: int, width: int | None, block_n: int, programs: int) -> int:
+    """Split K until the launch has about `programs` programs, at most `most` ways: a wider
+    projection has weight tiles enough to fill the GPU with fewer, longer slices."""
+    if width is None:
+        return most
+    return max(1, min(most, round(programs / -(-width // block_n))))
+
+
+def decode_gemms(num_tokens: int, config: ModelConfig | None = None) -> DecodeGemms:
     """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
     bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py,
     bench/results/2026-11-23-h100-forward-gated-gemm.md, 2026-11-23-h100-forward-accumulate.md).
@@ -110,13 +127,19 @@ def decode_gemms(num_tokens: int) -> DecodeGemms:
     the halves, kept in the weights' dtype: half the bytes of fp32) and QKV and O take 128-deep K tiles.
     17-64 tokens: SiLU in its own kernel (the gated gate+up GEMM measured slower here: 1.376 -> 1.393 ms
     at T=32). 65-128 tokens: the gate+up GEMM writes silu(gate)*up itself (no activation kernel, 1B
-    T=128 1.806 -> 1.753 ms)."""
+    T=128 1.806 -> 1.753 ms).
+    Up to 16 tokens down takes 128-row weight tiles (half the SiLU prologue's re-reads), and QKV, O
+    and down split K until a launch has about 192, 128 and 128 programs: 4, 4 and 8 ways for 1B, 2, 2
+    and 4 for 8B (batch 1, 256 keys: 1B 1.109 -> 1.092 ms, 8B 5.707 -> 5.597; 8B at 4096 keys 6.167 ->
+    6.052; bench/results/2026-11-27-h100-b1-launch-plans.md)."""
+    qkv_width = config.q_size + 2 * config.kv_size if config else None
+    hidden = config.hidden_size if config else None
     if num_tokens <= 16:
         return DecodeGemms(
-            qkv=GemmLaunch(split_k=4, block_k=64),
-            o=GemmLaunch(split_k=4, accumulate=True),
+            qkv=GemmLaunch(split_k=_split(4, qkv_width, 64, 192), block_k=64),
+            o=GemmLaunch(split_k=_split(4, hidden, 64, 128), accumulate=True),
             gate_up=GemmLaunch(block_n=128, block_k=64),
-            down=GemmLaunch(split_k=8, accumulate=True),
+            down=GemmLaunch(split_k=_split(8, hidden, 128, 128), block_n=128, accumulate=True),
             silu_in_down=True,
         )
     if num_tokens > 128:
@@ -130,12 +153,12 @@ def decode_gemms(num_tokens: int) -> DecodeGemms:
     )
 
 
-def deterministic_gemms(num_tokens: int) -> DecodeGemms:
+def deterministic_gemms(num_tokens: int, config: ModelConfig | None = None) -> DecodeGemms:
     """`decode_gemms` without atomics: O and down write split-K partials that the next norm sums in a
     fixed order (fp32 up to 16 tokens, the weights' dtype above; O on cuBLAS at 65-128 tokens, where
     its partials cost more than cuBLAS), so the same step gives the same bits every run. 1B on the
     H100: T=8 1.127 -> 1.182 ms, T=128 1.652 -> 1.706 (bench/results/2026-11-23-h100-forward-accumulate.md)."""
-    g = decode_gemms(num_tokens)
+    g = decode_gemms(num_tokens, config)
     if not g.accumulates:
         return g
     small = num_tokens <= 16

@@ -1,0 +1,40 @@
+"""The forward's launch plans by model: wider projections split K fewer ways; the 1B plan is its sweeps'."""
+
+from __future__ import annotations
+
+import pytest
+
+from blink_appliance.model.launch_plans import attention_config, decode_gemms, deterministic_gemms
+from blink_appliance.model.presets import preset_config
+
+
+def splits(plan) -> tuple[int, int, int]:
+    return plan.qkv.split_k, plan.o.split_k, plan.down.split_k
+
+
+@pytest.mark.parametrize(
+    ("model", "want"), [("llama-3.2-1b", (4, 4, 8)), ("llama-3.1-8b", (2, 2, 4)), ("smollm2-135m", (4, 4, 8))]
+)
+def test_decode_buckets_split_k_by_the_projections_width(model, want):
+    """About 192 / 128 / 128 programs a launch (bench/results/2026-11-27-h100-b1-launch-plans.md); a model
+    narrower than 1B keeps 1B's splits rather than splitting K into slivers."""
+    config = preset_config(model)
+    for bucket in (1, 8, 16):
+        plan = decode_gemms(bucket, config)
+        assert splits(plan) == want
+        assert plan.down.block_n == 128
+        assert splits(deterministic_gemms(bucket, config)) == want
+
+
+def test_without_a_model_the_plans_are_the_1b_ones():
+    one_b = preset_config("llama-3.2-1b")
+    for bucket in (8, 16, 32, 64, 128, 512):
+        assert decode_gemms(bucket) == decode_gemms(bucket, one_b)
+        assert attention_config(bucket) == attention_config(bucket, one_b)
+
+
+def test_buckets_past_16_tokens_do_not_depend_on_the_model_yet():
+    """Only the batch-1 buckets were measured on 8B; the others keep the 1B sweeps' shapes."""
+    eight_b = preset_config("llama-3.1-8b")
+    for bucket in (32, 64, 128):
+        assert decode_gemms(bucket, eight_b) == decode_gemms(bucket)
