@@ -5,6 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+_TENSOR_PARALLEL = (
+    "tensor parallelism is not built yet (issue 27); `replicas = N` serves the model with N engines, "
+    "one GPU each"
+)
+# Keys a vLLM or SGLang user may write for what the appliance does not do yet: refused by name.
+NOT_BUILT = {
+    "tensor_parallel": _TENSOR_PARALLEL,
+    "tensor_parallel_size": _TENSOR_PARALLEL,
+    "pipeline_parallel_size": "pipeline parallelism is not built",
+}
+
 
 def key_path(loc: tuple[int | str, ...]) -> str:
     out = ""
@@ -15,7 +26,7 @@ def key_path(loc: tuple[int | str, ...]) -> str:
 
 def message(err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
-        return "unknown key"
+        return NOT_BUILT.get(str(err["loc"][-1]), "unknown key")
     if err["type"] == "missing":
         return "required key is missing"
     msg = str(err["msg"])

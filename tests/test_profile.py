@@ -52,6 +52,8 @@ def test_gpu_example_profile_is_the_loop_on_cuda():
         ({"model": {"kv_fration": 0.5}}, "models[0].kv_fration: unknown key"),
         ({"frontend": {"prot": 1}}, "frontend.prot: unknown key"),
         ({"surprise": {}}, "surprise: unknown key"),
+        ({"model": {"tensor_parallel": 2}}, "models[0].tensor_parallel: tensor parallelism is not built yet"),
+        ({"model": {"tensor_parallel_size": 2}}, "models[0].tensor_parallel_size: tensor parallelism is not"),
         ({"model": {"kv_budget_gib": None, "kv_fraction": 1.5}}, "models[0].kv_fraction: must be in (0, 1]"),
         ({"model": {"kv_fraction": 0.5}}, "set exactly one of kv_budget_gib and kv_fraction"),
         ({"model": {"kv_budget_gib": -1}}, "models[0].kv_budget_gib: must be > 0"),
