@@ -37,8 +37,10 @@ def test_sched_probe_measures_wakeups() -> None:
 
 
 def test_sched_probe_shows_interference() -> None:
-    """A thread hogging this process's GIL delays the probe's wake-ups by ~the switch interval."""
-    probe = SchedLatencyProbe(interval_s=0.001, window_s=1.0)
+    """A thread hogging this process's GIL delays the probe's wake-ups by ~the switch interval. The
+    window (0.3 s) is shorter than the hog's run (0.4 s, timed by the hog itself), so it holds only
+    wake-ups during the hog, however late a loaded host starts the hog's thread."""
+    probe = SchedLatencyProbe(interval_s=0.001, window_s=0.3)
     probe.start()
     hog = threading.Thread(target=_spin, args=(0.4,))
     try:
