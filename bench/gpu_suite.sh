@@ -3,8 +3,9 @@
 # on a GPU their CUDA variants run and the interpreter-only ones skip, saying why).
 # On the GPU host, from the repo root, with the wheels of scripts/device_wheels.sh carried in .whl/:
 #   bash bench/gpu_suite.sh            (log under $OUT/gpu-suite.log)
-#   bash bench/gpu_suite.sh tests/test_loop_*.py     (a part of it: the whole suite now takes about
-#                                                     11 minutes, past one call's 10; run it in two)
+#   bash bench/gpu_suite.sh tests/test_loop_*.py     (a part of it)
+# The files run in parallel (pytest-xdist, GPU_SUITE_WORKERS, 4 by default): serially the suite took
+# about 11 minutes, past one call's 10, mostly Triton compiling on the CPU.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_suite}
 mkdir -p "$out"
@@ -15,4 +16,4 @@ if [ "$#" -gt 0 ]; then files=("$@"); else
     files=(tests/test_kernels_*.py tests/test_gpu_forward*.py tests/test_paged_attention_plan.py tests/test_device_*.py
            tests/test_loop_*.py)
 fi
-python3 -m pytest -q -rs -p no:cacheprovider "${files[@]}" 2>&1 | tee -a "$out/gpu-suite.log" | tail -25
+python3 -m pytest -q -rs -p no:cacheprovider -n "${GPU_SUITE_WORKERS:-4}" --dist loadfile "${files[@]}" 2>&1 | tee -a "$out/gpu-suite.log" | tail -25

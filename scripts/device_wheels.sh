@@ -13,6 +13,7 @@ fetch() {
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
 }
 fetch pydantic annotated-types typing-inspection typing-extensions gguf platformdirs pytest-asyncio
+fetch pytest-xdist execnet  # bench/gpu_suite.sh runs the GPU test files in parallel
 fetch outlines-core  # the front end compiles structured-output constraints with it (a serving dependency)
 fetch py-spy  # bench/frontend_load.py samples the front end with it
 # The NIXL front end (bench/nixl_frontend.py): nixl-cu13 cut down to its UCX backend and packed as
