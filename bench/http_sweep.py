@@ -106,6 +106,7 @@ def profile_text(geo: Geometry, args: argparse.Namespace, shm_name: str) -> str:
         f'name = "{MODEL_NAME}"\nsource = "{args.model}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"',
         f"max_seqs = {geo.max_seqs}\nmax_model_len = {geo.max_model_len}",
         f"max_num_batched_tokens = {geo.step_budget}\nblock_size = 16\n{kv}",
+        *getattr(args, "model_lines", []),  # a bench's own [[models]] settings
         "\n[engine]",
         f'mode = "{"reference" if cpu else "loop"}"',
     ]
