@@ -235,6 +235,12 @@ def main() -> None:
         help="[engine] lower_class_limit (0: pause; default: no cap)",
     )
     ap.add_argument("--aging-steps", type=int, default=0, help="[engine] priority_aging_steps (0: off)")
+    ap.add_argument(
+        "--best-effort-batch",
+        type=int,
+        default=None,
+        help="[engine] best_effort_batch (default: unset, no turns)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-frontend", action="store_true", help="sample the front end with py-spy")
     ap.add_argument("--out", type=Path, required=True)
@@ -242,6 +248,8 @@ def main() -> None:
     args.engine_lines = [f"priority_aging_steps = {args.aging_steps}"]
     if args.lower_class_limit is not None:
         args.engine_lines.append(f"lower_class_limit = {args.lower_class_limit}")
+    if args.best_effort_batch is not None:
+        args.engine_lines.append(f"best_effort_batch = {args.best_effort_batch}")
     geo = Geometry.parse(args.geometry)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

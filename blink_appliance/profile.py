@@ -31,16 +31,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from blink_appliance.profile_errors import key_path, message
+from blink_appliance.profile_errors import ProfileError, key_path, message
 from blink_appliance.wire.link_settings import DpuSection
 from blink_appliance.wire.prefix_hash import prompt_words
 from blink_appliance.wire.ring_layout import RingGeometry
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be used; the message names every bad key path and why."""
 
 
 class _Section(BaseModel):
@@ -263,6 +259,10 @@ class EngineSection(_Section):
     # While the most urgent running class runs, at most this many running requests of lower classes
     # step beside it (the rest are held with their KV); 0 pauses them; unset: no cap (docs/engine.md).
     lower_class_limit: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    # Best-effort requests (priority >= best_effort_priority) take turns, this many stepping at once, so an
+    # urgent arrival waits out a short step; unset: all step. Both engines (docs/engine.md, "Scheduling").
+    best_effort_batch: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    best_effort_priority: int = Field(default=1, ge=-(2**31), le=2**31 - 1)
     # Reuse the KV blocks of prompt prefixes already computed (docs/engine.md, "Prefix cache"). Both engines.
     prefix_cache: bool = True
 

@@ -17,6 +17,10 @@ NOT_BUILT = {
 }
 
 
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names every bad key path and why."""
+
+
 def key_path(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:

@@ -156,8 +156,8 @@ def schedule_kernel(
     step_start_ns_ptr, clock_offset_ns_ptr, host_clock_ns_ptr,
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
-    BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr,
-    NUM_COUNTERS: tl.constexpr, AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr,
+    BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr, NUM_COUNTERS: tl.constexpr,
+    AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr, BE_BATCH: tl.constexpr, BE_PRI: tl.constexpr,
     # ring geometry and section offsets
     REQ_SLOTS: tl.constexpr, ARENA_TOKENS: tl.constexpr, MAX_PROMPT: tl.constexpr,
     MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr, AREAS: tl.constexpr,
@@ -247,15 +247,15 @@ def schedule_kernel(
             BLOCK_R, BLOCK_STOP, BLOCK_P, SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
         )  # fmt: skip
 
-        # 4. The batch: with LIMIT >= 0 the running ones of a lower class than the most urgent running
-        # one beyond LIMIT are held; the other running sequences in (class, admission) order get their
-        # chunks (preempting the last ones when blocks run out), then waiting slots are admitted into
-        # what is left, preempting running ones of a strictly lower class when they do not fit.
+        # 4. The batch: the class cap (LIMIT) and best-effort turns (BE_BATCH) hold some running ones; the
+        # others in (class, admission) order get their chunks (preempting the last ones when blocks run
+        # out), then waiting slots are admitted, preempting running ones of a lower class to fit.
         top, lru_head, lru_tail, n_cached, next_run_order, nseq, ntot, nsamp, sampler_index, n_preempted, n_queried, n_hit = (
             build_batch(
                 st, md, top, lru_head, lru_tail, n_cached, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr,
                 slots, blocks, step, S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING,
-                LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, BLOCK_SCORE, MAX_MODEL_LEN, SLOT,
+                LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, BLOCK_SCORE, MAX_MODEL_LEN, SLOT, BE_BATCH,
+                BE_PRI,
             )
         )  # fmt: skip
 

@@ -33,16 +33,17 @@ def build_batch(
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_RANK: tl.constexpr,
     AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr,
     Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
-    BLOCK_SCORE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, SLOT: tl.constexpr,
+    BLOCK_SCORE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, SLOT: tl.constexpr, BE_BATCH: tl.constexpr,
+    BE_PRI: tl.constexpr,
 ):  # fmt: skip
-    """The step's batch (Scheduler.schedule): the class cap's hold, running slots in running order get
+    """The step's batch (Scheduler.schedule): the class cap's and the best-effort turns' hold, running slots in running order get
     their chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
     (stack top, LRU head, tail and live count, next_run_order, sequences, tokens, sample rows, sampler
     variant, preemptions, prefix cache tokens looked up and found)."""
     m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k = order_running(
         st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
     )
-    hold_k = hold_lower_classes(m, ms, rp_k, offs_s, LIMIT)
+    hold_k = hold_lower_classes(m, ms, rp_k, offs_s, LIMIT) | wait_turn(ms, rp_k, clock, BE_BATCH, BE_PRI)
     want_k, scoring = prompt_scorer(m, ks, ntok_k, ncomp_k, hold_k, offs_s, slots, SCORE, BLOCK_S)
     n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted = fill_budget(
         top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, hold_k, nb_k, offs_s, free_blocks_ptr, slots,
@@ -147,6 +148,23 @@ def hold_lower_classes(m, ms, rp_k, offs_s, LIMIT: tl.constexpr):
         top_class = tl.min(tl.where(ms, rp_k, _INT32_MAX), 0)
         n_lower = tl.sum((ms & (rp_k > top_class)).to(tl.int32), 0)
         hold_k = ms & (offs_s >= m - tl.maximum(n_lower - LIMIT, 0))
+    return hold_k
+
+
+@triton.jit
+def wait_turn(ms, rp_k, clock, BE_BATCH: tl.constexpr, BE_PRI: tl.constexpr):
+    """Phase 0's best-effort turns (Scheduler._waiting_turn): with BE_BATCH >= 1, of the n running
+    sequences of a class >= BE_PRI, rank r (in run order) is held unless (r - clock * BE_BATCH) mod n
+    < BE_BATCH. Returns the held lanes."""
+    hold_k = ms & (rp_k < rp_k)
+    if BE_BATCH >= 1:
+        best_effort = ms & (rp_k >= BE_PRI)
+        be_i = best_effort.to(tl.int64)
+        n = tl.sum(be_i, 0)
+        if n > BE_BATCH:
+            start = clock.to(tl.int64) * BE_BATCH % n
+            turn = (tl.cumsum(be_i, 0) - be_i - start + n) % n
+            hold_k = best_effort & (turn >= BE_BATCH)
     return hold_k
 
 

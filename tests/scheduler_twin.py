@@ -70,7 +70,7 @@ class RefStep:
     batch: object  # ForwardBatch or None
     sampling: list[tuple[int, SamplingParams, int, int]]  # request id, params, seed, output index
     preempted: list[int] = field(default_factory=list)  # request ids, in preemption order
-    held: int = 0  # running sequences the class cap (phase 0) held
+    held: int = 0  # running sequences phase 0 held (class cap, best-effort turns)
     scored: list[tuple[object, int, list[int]]] = field(
         default_factory=list
     )  # (sequence, token row, positions)
@@ -84,7 +84,7 @@ class Stats:
     preemptions: int = 0
     admitted_while_running: int = 0
     preempted_for_admission: int = 0  # steps whose admission preempted running sequences
-    held: int = 0  # sequence-steps the class cap (lower_class_limit) held
+    held: int = 0  # sequence-steps phase 0 held (lower_class_limit, best_effort_batch)
     finishes: list[tuple[int, int, int]] = field(default_factory=list)  # (channel, finish code, error code)
 
     def last_finish(self, channel: int) -> tuple[int, int]:
@@ -136,6 +136,7 @@ class Twin:
             max_num_batched_tokens=loop.max_num_batched_tokens, max_model_len=loop.max_model_len, seed=7,
             priority_aging_steps=loop.priority_aging_steps, lower_class_limit=loop.lower_class_limit,
             prefix_cache=loop.prefix_cache, prompt_score_chunk=loop.prompt_score_chunk,
+            best_effort_batch=loop.best_effort_batch, best_effort_priority=loop.best_effort_priority,
         )  # fmt: skip
         self.engine = LLMEngine(tiny_model(), config)
         self.server = EngineServer(self.engine, self.ref_transport, ring)

@@ -144,3 +144,15 @@ def test_random_workloads_with_a_class_cap_match_reference_step_by_step(seed, ag
     t = Twin(loop)
     random_workload(t, seed)
     assert (t.stats.held > 0) == (limit >= 0), "the cap must have held sequences (and only with one)"
+
+
+@pytest.mark.parametrize(("seed", "limit", "batch"), [(7, -1, 2), (8, 0, 1), (9, 2, 3)])
+def test_random_workloads_with_best_effort_turns_match_reference_step_by_step(seed, limit, batch):
+    """best_effort_batch: best-effort sequences (class >= 1 here: priority 3) step in a window that
+    moves every step, alone and beside the class cap, chunk for chunk."""
+    loop = dataclasses.replace(
+        LOOP, max_num_seqs=6, num_kv_blocks=24, lower_class_limit=limit, best_effort_batch=batch
+    )
+    t = Twin(loop)
+    random_workload(t, seed)
+    assert t.stats.held > 0

@@ -64,7 +64,7 @@ from blink_appliance.wire.ring_layout import RingLayout
 from tests.sm90_ptx import ptx_for_sm90
 from tests.twin_front_end import LOOP, RING
 
-LOOP = dataclasses.replace(LOOP, lower_class_limit=int(sys.argv[1]))
+LOOP = dataclasses.replace(LOOP, lower_class_limit=int(sys.argv[1]), best_effort_batch=int(sys.argv[2]))
 layout = RingLayout.of(RING)
 ring = torch.zeros(layout.size, dtype=torch.uint8)
 inputs = StepInputs.allocate(
@@ -118,15 +118,16 @@ def test_a_record_field_not_where_or_what_the_kernel_reads_is_refused():
         kernel_args.request_fields(with_fields({}))
 
 
-@pytest.mark.parametrize("lower_class_limit", [-1, 0])
-def test_kernel_compiles_for_the_h100(lower_class_limit):
+@pytest.mark.parametrize(("lower_class_limit", "best_effort_batch"), [(-1, -1), (0, 64)])
+def test_kernel_compiles_for_the_h100(lower_class_limit, best_effort_batch):
     """The GPU path (inline PTX acquire/release on the ring) compiles for sm_90 here, without a GPU:
     the interpreter does not type-check the way the compiler does. Run in a child process, since
-    TRITON_INTERPRET is set in this one. With a class cap, its code (compiled out at 0) too."""
+    TRITON_INTERPRET is set in this one. With a class cap and best-effort turns, their code
+    (compiled out at -1) too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_H100, str(lower_class_limit)], cwd=Path(__file__).parent.parent, env=env,
+        [sys.executable, "-c", _COMPILE_FOR_H100, str(lower_class_limit), str(best_effort_batch)], cwd=Path(__file__).parent.parent, env=env,
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if done.returncode and (

@@ -407,3 +407,23 @@ def test_replica_errors_name_their_key():
     assert "models[0].replicas" in _error(_profile(model={"replicas": 0}))
     two = {"models": [dict(MINIMAL_MODEL), dict(MINIMAL_MODEL, replicas=2)]}
     assert "models[1].name: duplicate of models[0].name" in _error(two)
+
+
+def test_best_effort_turns_reach_both_engines_and_a_zero_batch_is_refused():
+    """[engine] best_effort_batch / best_effort_priority: the reference's EngineConfig and the loop's
+    geometry take them (unset: -1, every best-effort sequence steps); 0 would never run one."""
+    from blink_appliance.engine.loop.geometry import loop_geometry
+    from blink_appliance.engine.process import reference_config
+
+    config = preset_config("tiny")
+    for engine, batch, priority in (
+        ({}, -1, 1),
+        ({"best_effort_batch": 64, "best_effort_priority": 2}, 64, 2),
+    ):
+        ref = parse_profile(_profile(engine=engine))
+        got = reference_config(ref, resolve_plan(ref.model, config), (2,))
+        assert (got.best_effort_batch, got.best_effort_priority) == (batch, priority)
+        host = parse_profile(_profile(engine={"mode": "host", **engine}))
+        geo = loop_geometry(host, resolve_plan(host.model, config), config)
+        assert (geo.best_effort_batch, geo.best_effort_priority) == (batch, priority)
+    assert "engine.best_effort_batch" in _error(_profile(engine={"best_effort_batch": 0}))

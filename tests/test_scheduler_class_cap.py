@@ -103,3 +103,45 @@ def test_without_a_class_cap_lower_classes_fill_the_batch():
         commit(s.schedule())
         assert lower_class_running(s) == (4 if limit < 0 else 2)
     assert make().config.lower_class_limit == -1
+
+
+def make_turns(batch: int, limit: int = -1, max_seqs: int = 8) -> Scheduler:
+    config = SchedulerConfig(4, max_seqs, 32, lower_class_limit=limit, best_effort_batch=batch)
+    return Scheduler(config, BlockAllocator(64))
+
+
+def test_best_effort_sequences_take_turns_in_a_moving_window():
+    """best_effort_batch = 2 over five best-effort sequences: two step each step, the window moving
+    by two (ranks 0-1, 2-3, 4 and 0, ...); an urgent one steps every step beside them."""
+    s = make_turns(2)
+    for rid in range(1, 6):
+        s.add(make_seq(rid, 1, priority=1))
+    s.add(make_seq(9, 1, priority=0))
+    out = s.schedule()  # admission: every waiting one prefills its one token (turns hold running ones)
+    assert out.held == 0 and len(plan(out)) == 6
+    commit(out)
+    stepped = []
+    for _ in range(5):
+        out = s.schedule()
+        stepped.append(sorted(rid for rid, _, _ in plan(out)))
+        assert out.held == 3 and not out.preempted
+        commit(out)
+    # clock 1..5: window starts 2, 4, 1, 3, 0 over ranks [1, 2, 3, 4, 5] (run order)
+    assert stepped == [[3, 4, 9], [1, 5, 9], [2, 3, 9], [4, 5, 9], [1, 2, 9]]
+    assert [q.num_computed_tokens for q in sorted(s.running, key=lambda q: q.request_id)] == [
+        3,
+        3,
+        3,
+        3,
+        3,
+        6,
+    ]
+
+
+def test_no_turns_while_the_best_effort_sequences_fit_the_batch_or_without_the_key():
+    for s in (make_turns(5), make_turns(-1)):
+        for rid in range(1, 6):
+            s.add(make_seq(rid, 1, priority=3))
+        commit(s.schedule())
+        out = s.schedule()
+        assert out.held == 0 and len(plan(out)) == 5

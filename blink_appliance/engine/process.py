@@ -19,11 +19,15 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from blink_appliance.engine.plan import ModelPlan, resolve_plan, resolve_plans
 from blink_appliance.model.config import ModelConfig
 from blink_appliance.processes import pin_cpus, set_on_signals, watch_parent
 from blink_appliance.profile import Profile, ProfileError, load_profile, region_name, ring_geometry
+
+if TYPE_CHECKING:
+    from blink_appliance.engine.reference.engine import EngineConfig
 
 log = logging.getLogger("blink_appliance.engine")
 # Set once the engine serves. Before that nothing was accepted (the front end submits only to a
@@ -69,11 +73,30 @@ def model_plan(profile: Profile, index: int, config: ModelConfig, device_free_by
     return resolve_plans(profile, {index: config, **configs}, available_bytes=device_free_bytes)[index]
 
 
+def reference_config(profile: Profile, plan: ModelPlan, eos_token_ids: tuple[int, ...]) -> EngineConfig:
+    """The CPU reference engine's settings for a model of the profile, from its plan."""
+    from blink_appliance.engine.reference.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=plan.block_size,
+        num_kv_blocks=plan.num_kv_blocks,
+        max_num_seqs=plan.max_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        max_model_len=plan.max_model_len,
+        eos_token_ids=eos_token_ids,
+        priority_aging_steps=profile.engine.priority_aging_steps,
+        lower_class_limit=profile.engine.class_cap,
+        best_effort_batch=profile.engine.best_effort_batch or -1,  # unset: every best-effort sequence steps
+        best_effort_priority=profile.engine.best_effort_priority,
+        prefix_cache=profile.engine.prefix_cache,
+    )
+
+
 def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None:
     """models[index] on the CPU reference engine, on its own ring region."""
     import torch
 
-    from blink_appliance.engine.reference.engine import EngineConfig, LLMEngine
+    from blink_appliance.engine.reference.engine import LLMEngine
     from blink_appliance.engine.reference.server import EngineServer
     from blink_appliance.model.loaders import build_model, load_checkpoint
     from blink_appliance.wire.shm_transport import ShmTransport
@@ -87,20 +110,7 @@ def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None
     del ckpt  # the fp32 copy of the weights; the model holds its own
     _done(t0)
     print(plan.describe(), file=sys.stderr, flush=True)
-    engine = LLMEngine(
-        model,
-        EngineConfig(
-            block_size=plan.block_size,
-            num_kv_blocks=plan.num_kv_blocks,
-            max_num_seqs=plan.max_seqs,
-            max_num_batched_tokens=plan.max_num_batched_tokens,
-            max_model_len=plan.max_model_len,
-            eos_token_ids=tuple(model.config.eos_token_ids),
-            priority_aging_steps=profile.engine.priority_aging_steps,
-            lower_class_limit=profile.engine.class_cap,
-            prefix_cache=profile.engine.prefix_cache,
-        ),
-    )
+    engine = LLMEngine(model, reference_config(profile, plan, tuple(model.config.eos_token_ids)))
     transport = ShmTransport.open(region_name(profile, index))
     try:
         ring = ring_geometry(profile, index)

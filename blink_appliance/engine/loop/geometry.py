@@ -32,6 +32,8 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         eos_token_ids=eos,
         priority_aging_steps=profile.engine.priority_aging_steps,
         lower_class_limit=profile.engine.class_cap,
+        best_effort_batch=profile.engine.best_effort_batch or -1,  # unset: every best-effort sequence steps
+        best_effort_priority=profile.engine.best_effort_priority,
         prefix_cache=profile.engine.prefix_cache,
         constraint_words=ring_geometry(profile, index).constraint_words,
     )

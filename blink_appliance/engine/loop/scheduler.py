@@ -112,6 +112,7 @@ class DeviceScheduler:
             NUM_BUCKETS=len(g.buckets), BS=g.block_size, MAXB=g.max_blocks_per_seq,
             MAX_MODEL_LEN=g.max_model_len, VOCAB=g.vocab_size, NUM_COUNTERS=len(COUNTERS),
             AGING=g.priority_aging_steps, LIMIT=g.lower_class_limit, SCORE=g.prompt_score_chunk,
+            BE_BATCH=g.best_effort_batch, BE_PRI=g.best_effort_priority,
             REQ_SLOTS=rg.request_slots, ARENA_TOKENS=rg.arena_tokens, MAX_PROMPT=rg.max_prompt_tokens,
             MAX_INFLIGHT=rg.max_inflight, MAX_OUTPUT=rg.max_output_tokens, MAX_STOP=rg.max_stop_ids,
             AREAS=kernel_args.record_areas(layout), MAX_BIAS=max(rg.max_logit_bias, 1), BIAS_TILE=BIAS_TILE,

@@ -66,6 +66,8 @@ class LoopGeometry:
     eos_token_ids: tuple[int, ...]  # at most MAX_EOS_IDS
     priority_aging_steps: int = 0  # a waiting slot gains one priority level per this many steps; 0: off
     lower_class_limit: int = -1  # lower-class running slots that run beside the top class; -1: no cap
+    best_effort_batch: int = -1  # best-effort running slots that step at once, taking turns; -1: all
+    best_effort_priority: int = 1  # classes at or past this one are best effort
     max_logit_bias: int = MAX_LOGIT_BIAS  # = RingGeometry.max_logit_bias
     prefix_cache: bool = False  # admissions reuse cached prompt blocks (the ring carries block hashes)
     prompt_score_chunk: int = 512  # P: prompt positions scored per step at most (SchedulerConfig's)
@@ -100,6 +102,8 @@ class LoopGeometry:
             raise ValueError("priority_aging_steps must be >= 0")
         if self.lower_class_limit < -1:
             raise ValueError("lower_class_limit must be >= -1")
+        if self.best_effort_batch == 0 or self.best_effort_batch < -1:
+            raise ValueError("best_effort_batch must be >= 1 or -1")
         if self.prompt_score_chunk < 1:
             raise ValueError("prompt_score_chunk must be >= 1")
         if len(self.eos_token_ids) > MAX_EOS_IDS:

@@ -37,6 +37,8 @@ class EngineConfig:
     lower_class_limit: int = -1  # lower-class running sequences that run beside the top class; -1: no cap
     prefix_cache: bool = False  # reuse the KV blocks of cached prompt prefixes (docs/engine.md)
     prompt_score_chunk: int = 512  # prompt tokens scored (prompt logprobs) per step, at most
+    best_effort_batch: int = -1  # best-effort running sequences that step at once, taking turns; -1: all
+    best_effort_priority: int = 1  # classes at or past this one are best effort
 
     def validate(self) -> None:
         for name in (
@@ -55,6 +57,10 @@ class EngineConfig:
             )
         if self.lower_class_limit < -1:
             raise ValueError(f"EngineConfig.lower_class_limit must be >= -1, got {self.lower_class_limit}")
+        if self.best_effort_batch == 0 or self.best_effort_batch < -1:
+            raise ValueError(
+                f"EngineConfig.best_effort_batch must be >= 1 or -1, got {self.best_effort_batch}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -108,6 +114,8 @@ class LLMEngine:
                 config.lower_class_limit,
                 config.prefix_cache,
                 config.prompt_score_chunk,
+                config.best_effort_batch,
+                config.best_effort_priority,
             ),
             self.allocator,
         )

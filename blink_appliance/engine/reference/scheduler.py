@@ -7,6 +7,10 @@ One call to `schedule()` decides one model step (docs/engine.md has the full sta
    most urgent running class, only the first L in running order run this step; the others are held
    (they keep their blocks and get no tokens, so they resume without recompute once the urgent class
    is gone; phases 2-3 preempt them first, being last in running order).
+   Best-effort turns (`best_effort_batch` = K >= 1; -1: none): of the running sequences of a class >=
+   `best_effort_priority` (n of them, in running order), only K step, a window that moves K places a
+   step (rank r steps when (r - clock * K) mod n < K); the others are held likewise, so one step of
+   best-effort work, which an urgent arrival waits out, stays short.
 1. Running sequences in running order: (class, admission), the class being the effective priority a
    sequence was admitted with, those held in 0 left out. One with a single uncomputed token
    (decoding) gets that token. One
@@ -60,6 +64,8 @@ class SchedulerConfig:
     lower_class_limit: int = -1  # lower-class running sequences that run beside the top class; -1: no cap
     prefix_cache: bool = False  # admissions reuse cached prompt blocks; filled blocks are registered
     prompt_score_chunk: int = 512  # tokens a prompt-scoring sequence prefills per step, at most (phase 6)
+    best_effort_batch: int = -1  # best-effort running sequences that step at once, taking turns; -1: all
+    best_effort_priority: int = 1  # classes at or past this one are best effort (phase 0)
 
 
 @dataclass
@@ -128,8 +134,9 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
 
-        # 0: the class cap holds the lower classes' sequences beyond the first L.
-        held = self._held()
+        # 0: the class cap holds the lower classes' sequences beyond the first L, and best-effort
+        # sequences wait for their turn.
+        held = self._held() | self._waiting_turn()
 
         # 1 + 2: running sequences in running order.
         reserved = sum(1 for s in self.running if s.num_uncomputed_tokens == 1 and id(s) not in held)
@@ -220,6 +227,17 @@ class Scheduler:
             return set()
         excess = self._lower_class_count() - limit
         return {id(s) for s in self.running[len(self.running) - excess :]} if excess > 0 else set()
+
+    def _waiting_turn(self) -> set[int]:
+        """Phase 0, best-effort turns: ids of the best-effort running sequences outside this step's
+        window of `best_effort_batch` (ranks in running order, the window moving by that many a step)."""
+        k = self.config.best_effort_batch
+        best_effort = [s for s in self.running if s.run_priority >= self.config.best_effort_priority]
+        n = len(best_effort)
+        if k < 0 or n <= k:
+            return set()
+        start = self.clock * k % n
+        return {id(s) for r, s in enumerate(best_effort) if (r - start) % n >= k}
 
     def _capped(self, priority: int) -> bool:
         """A head of this effective priority is of a lower class than the most urgent running one while
