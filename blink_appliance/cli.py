@@ -90,7 +90,7 @@ def _check_profile(profile: Profile, *, load: bool) -> list[str]:
         config = _check_model(profile, i, load=load)
         if config is None:
             unchecked.append(
-                f"models[{i}]: the checkpoint and the memory plan (the model is not pulled yet)"
+                f"{profile.models[i].key(replica=True)}: the checkpoint and the memory plan (the model is not pulled yet)"
                 if len(profile.models) > 1
                 else "the checkpoint and the memory plan (the model is not pulled yet)"
             )
@@ -110,7 +110,7 @@ def _check_model(profile: Profile, index: int, *, load: bool) -> ModelConfig | N
     from blink_appliance.model.sources import parse_source
 
     m = profile.models[index]
-    key = f"models[{index}].source" if m.source is not None else f"models[{index}].name"
+    key = m.key("source") if m.source is not None else m.key("name")
     try:
         if load:
             from blink_appliance.daemon import ensure_model
@@ -162,7 +162,9 @@ def _check_plans(profile: Profile, configs: dict[int, ModelConfig]) -> list[str]
             print(f"device {m.device}: {missing}")
             what = "the device and the KV cache size" if m.kv_fraction is not None else "the device"
             unchecked.append(
-                f"{what} ({missing})" if len(profile.models) == 1 else f"models[{i}]: {what} ({missing})"
+                f"{what} ({missing})"
+                if len(profile.models) == 1
+                else f"{m.key(replica=True)}: {what} ({missing})"
             )
     return unchecked + _check_devices(profile, plans)
 
@@ -173,7 +175,7 @@ def _plan_without_device(profile: Profile, index: int, config: ModelConfig) -> M
     from blink_appliance.engine.plan import resolve_plan
 
     m = profile.models[index]
-    plan = resolve_plan(m, config, available_bytes=1 << 62, index=index)
+    plan = resolve_plan(m, config, available_bytes=1 << 62)
     lines = plan.describe().splitlines()
     if m.kv_fraction is not None:
         lines = [
@@ -217,13 +219,13 @@ def _check_devices(profile: Profile, plans: dict[int, ModelPlan]) -> list[str]:
                 if i in plans
                 else "memory not planned (the model is not pulled yet)"
             )
-            print(f"  models[{i}] {m.name!r}: SMs {share}; {memory}")
+            print(f"  {m.key(replica=True)} {m.name!r}: SMs {share}; {memory}")
         used = sum(plans[i].weights_bytes + plans[i].kv_bytes for i in indices if i in plans)
         if used > total_memory:
             keys = " + ".join(
-                f"models[{i}].kv_budget_gib"
+                profile.models[i].key("kv_budget_gib")
                 if profile.models[i].kv_budget_gib is not None
-                else f"models[{i}].kv_fraction"
+                else profile.models[i].key("kv_fraction")
                 for i in indices
             )
             raise ProfileError(
@@ -280,7 +282,7 @@ def _print_rings_and_front_end(profile: Profile) -> None:
 
     for i in range(len(profile.models)):
         geometry = ring_geometry(profile, i)
-        which = f"models[{i}] " if len(profile.models) > 1 else ""
+        which = f"{profile.models[i].key(replica=True)} " if len(profile.models) > 1 else ""
         print(
             f"{which}rings /dev/shm/{region_name(profile, i)}: {region_size(geometry) / 2**20:.1f} MiB "
             f"({geometry.max_inflight} in flight, {geometry.request_slots} request slots, "

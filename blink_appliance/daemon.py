@@ -462,11 +462,11 @@ def preflight(profile: Profile, *, port_key: str = "frontend.port") -> None:
             raise StartupError(str(e)) from None
     else:
         check_port(fe.host, fe.port, port_key)
-    for i, m in enumerate(profile.models):
+    for m in profile.models:
         try:
             check_source_files(m.model_source)
         except (FileNotFoundError, ValueError) as e:
-            key = f"models[{i}].source" if m.source is not None else f"models[{i}].name"
+            key = m.key("source") if m.source is not None else m.key("name")
             raise StartupError(f"{key}: {e}") from None
 
 

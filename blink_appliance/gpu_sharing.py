@@ -78,12 +78,14 @@ def plan_shares(profile: Profile, device_sms: Callable[[str], int]) -> list[SmSh
         asked = {i: c for i in indices if (c := profile.models[i].sm_count) is not None}
         for i, count in asked.items():
             if count > total:
-                raise ProfileError(f"models[{i}].sm_count: {count}, but {device} has {total} SMs")
+                raise ProfileError(
+                    f"{profile.models[i].key('sm_count')}: {count}, but {device} has {total} SMs"
+                )
         percent = {i: math.ceil(100 * count / total) for i, count in asked.items()}
         granted = {i: sms_for(p, total) for i, p in percent.items()}
         sharing = [i for i in indices if i not in asked]
         used = sum(granted.values())
-        keys = " + ".join(f"models[{i}].sm_count" for i in asked)
+        keys = " + ".join(profile.models[i].key("sm_count", replica=True) for i in asked)
         if used > total:
             raise ProfileError(f"{keys}: {used} SMs once rounded to whole TPCs; {device} has {total}")
         if sharing:
@@ -92,7 +94,7 @@ def plan_shares(profile: Profile, device_sms: Callable[[str], int]) -> list[SmSh
             rest = total - used
             each = 100 * rest // total
             if each < 1:
-                names = ", ".join(f"models[{i}]" for i in sharing)
+                names = ", ".join(profile.models[i].key(replica=True) for i in sharing)
                 raise ProfileError(f"{keys}: leave {rest} of {device}'s {total} SMs for {names}")
             for i in sharing:
                 percent[i], granted[i] = each, sms_for(each, total)

@@ -31,6 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from blink_appliance.profile_checks import engine_errors, model_set_errors
 from blink_appliance.profile_errors import ProfileError, key_path, message
 from blink_appliance.wire.link_settings import DpuSection
 from blink_appliance.wire.prefix_hash import prompt_words
@@ -91,10 +92,21 @@ class ModelSection(_Section):
     replicas: int = Field(default=1, ge=1, le=64)
     devices: list[str] | None = None
     _replica: int = PrivateAttr(default=0)  # which of the replicas this section is, once expanded
+    _section: int = PrivateAttr(default=0)  # the [[models]] entry it comes from, as declared
 
     @property
     def replica(self) -> int:
         return self._replica
+
+    def key(self, name: str = "", *, replica: bool = False) -> str:
+        """This section's key path as the file declares it (`models[1].kv_fraction`): errors name what
+        the user wrote, not the expanded list. `replica`: say which one, when it has several."""
+        path = f"models[{self._section}]" + (f".{name}" if name else "")
+        return path + (f" (replica {self._replica}: {self.device})" if replica and self.replicas > 1 else "")
+
+    @property
+    def section(self) -> int:
+        return self._section
 
     @field_validator("device", "devices")
     @classmethod
@@ -298,7 +310,7 @@ class Profile(_Section):
         """Each section with N replicas becomes N sections of one name, an engine each."""
         if not v:
             raise ValueError("at least one [[models]] entry is required")
-        return [_replica(m, k) for m in v for k in range(m.replicas)]
+        return [_replica(m, d, k) for d, m in enumerate(v) for k in range(m.replicas)]
 
     @model_validator(mode="after")
     def _dpu_with_nixl(self) -> Profile:
@@ -358,77 +370,6 @@ class Profile(_Section):
         budget = self.models[index].max_num_batched_tokens
         return tuple(b for b in _DEFAULT_BUCKETS if b < budget) + (budget,)
 
-    def engine_errors(self) -> list[str]:
-        """Checks across sections ("key.path: why" each): the engine against every model's device."""
-        errors = [line for i in range(len(self.models)) for line in self._model_engine_errors(i)]
-        e = self.engine
-        if not any(self.uses_loop_of(i) for i in range(len(self.models))):
-            errors += [
-                f"engine.{key}: only the GPU loop uses it (engine.mode 'loop' or 'host')"
-                for key in ("num_slots", "buckets", "deterministic")
-                if getattr(e, key) is not None
-            ]
-        return errors
-
-    def _model_engine_errors(self, i: int) -> list[str]:
-        m, e, mode, key = self.models[i], self.engine, self.engine_mode_of(i), f"models[{i}]"
-        if mode == "loop" and m.device == "cpu":
-            return [
-                f"engine.mode: 'loop' needs a CUDA device ({key}.device is 'cpu'): the graph-resident "
-                "loop cannot run on the CPU; use 'reference', or 'host' with TRITON_INTERPRET=1"
-            ]
-        if mode == "reference" and m.device != "cpu":
-            return [
-                f"engine.mode: 'reference' (the CPU reference engine) runs on device 'cpu' only, "
-                f"not {m.device!r} ({key}.device); use 'loop' or 'host'"
-            ]
-        errors = []
-        if m.cpu_weights == "quantized" and mode != "reference":
-            errors.append(
-                f"{key}.cpu_weights: 'quantized' runs on the CPU reference engine only "
-                f"(engine.mode is {mode!r}); remove the key or use 'dequantized'"
-            )
-        if m.sm_count is not None and (m.device == "cpu" or mode != "loop"):
-            where = f"{key}.device is 'cpu'" if m.device == "cpu" else f"engine.mode is {mode!r}"
-            errors.append(
-                f"{key}.sm_count: SM partitions are for models the GPU loop serves on a cuda:N device "
-                f"(engine.mode 'loop'), and {where}; remove the key"
-            )
-        if mode == "reference":
-            return errors
-        if e.buckets is not None and e.buckets[-1] != m.max_num_batched_tokens:
-            errors.append(
-                f"engine.buckets: must end at {key}.max_num_batched_tokens "
-                f"({m.max_num_batched_tokens}), got {e.buckets}"
-            )
-        if self.num_slots_of(i) < m.max_seqs:
-            errors.append(
-                f"engine.num_slots: ({self.num_slots_of(i)}) must be >= {key}.max_seqs ({m.max_seqs})"
-            )
-        return errors
-
-    def model_set_errors(self) -> list[str]:
-        """Checks across models: unique names (the front end routes by name), and the KV fractions
-        of one CUDA device (each is of the memory left after all of that device's weights)."""
-        errors, first = [], {}
-        for i, m in enumerate(self.models):
-            if m.name in first and not m.replica:
-                errors.append(f"models[{i}].name: duplicate of models[{first[m.name]}].name ({m.name!r})")
-            first.setdefault(m.name, i)
-        by_device: dict[str, list[int]] = {}
-        for i, m in enumerate(self.models):
-            if m.device != "cpu" and m.kv_fraction is not None:
-                by_device.setdefault(m.device, []).append(i)
-        for device, indices in by_device.items():
-            total = sum(self.models[i].kv_fraction or 0.0 for i in indices)
-            if total > 1 + 1e-9:
-                keys = " + ".join(f"models[{i}].kv_fraction" for i in indices)
-                errors.append(
-                    f"{keys}: {total:g} on {device}; the fractions of one device share the memory "
-                    "left after all its models' weights, so they must sum to <= 1"
-                )
-        return errors
-
     def with_overrides(self, *, host: str | None = None, port: int | None = None) -> Profile:
         """A copy with the front end's address replaced (validated like the file)."""
         data = self.model_dump()
@@ -440,12 +381,13 @@ class Profile(_Section):
         return parse_profile(data)
 
 
-def _replica(m: ModelSection, k: int) -> ModelSection:
-    """Replica k of section `m`: on devices[k], or the k-th CUDA device from `device` on."""
+def _replica(m: ModelSection, section: int, k: int) -> ModelSection:
+    """Replica k of the declared section `section`, `m`: on devices[k], or the k-th CUDA device from
+    `device` on."""
     on_cuda = m.device != "cpu"
     device = m.devices[k] if m.devices else f"cuda:{int(m.device[5:]) + k}" if on_cuda else m.device
     copy = m.model_copy(update={"device": device})
-    copy._replica = k
+    copy._replica, copy._section = k, section
     return copy
 
 
@@ -455,7 +397,7 @@ def parse_profile(data: dict[str, Any], *, origin: str = "profile") -> Profile:
     except ValidationError as e:
         lines = [f"  {key_path(tuple(err['loc']))}: {message(err)}" for err in e.errors()]
         raise ProfileError(f"{origin} is invalid:\n" + "\n".join(lines)) from None
-    errors = profile.model_set_errors() + profile.engine_errors()
+    errors = list(dict.fromkeys(model_set_errors(profile) + engine_errors(profile)))  # replicas repeat theirs
     if errors:
         raise ProfileError(f"{origin} is invalid:\n" + "\n".join(f"  {line}" for line in errors))
     return profile

@@ -28,6 +28,7 @@ AREAS = {
     "blink_appliance.telemetry": "telemetry",
     "blink_appliance.profile": "profile",
     "blink_appliance.profile_errors": "profile",
+    "blink_appliance.profile_checks": "profile",
     "blink_appliance.engine": "engine",
     "blink_appliance.engine.plan": "engine plan",
     "blink_appliance.engine.reference": "reference engine",

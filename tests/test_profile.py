@@ -427,3 +427,25 @@ def test_best_effort_turns_reach_both_engines_and_a_zero_batch_is_refused():
         geo = loop_geometry(host, resolve_plan(host.model, config), config)
         assert (geo.best_effort_batch, geo.best_effort_priority) == (batch, priority)
     assert "engine.best_effort_batch" in _error(_profile(engine={"best_effort_batch": 0}))
+
+
+def test_errors_name_the_sections_as_declared_not_as_expanded_by_replicas():
+    """Two replicas of models[0] come before models[1] in the expanded list; errors still say
+    models[1] for the second section, and a section's error shows once, not once per replica."""
+    data = {
+        "models": [
+            dict(MINIMAL_MODEL, name="a", device="cuda:0", replicas=2, kv_fraction=0.6, kv_budget_gib=None),
+            dict(MINIMAL_MODEL, name="b", device="cuda:1", kv_fraction=0.6, kv_budget_gib=None),
+        ]
+    }
+    assert "models[0].kv_fraction + models[1].kv_fraction: 1.2 on cuda:1" in _error(data)
+    quantized = _error(_profile(model={"device": "cuda:0", "replicas": 3, "cpu_weights": "quantized"}))
+    assert quantized.count("models[0].cpu_weights: 'quantized'") == 1
+    p = parse_profile(
+        {"models": [dict(MINIMAL_MODEL, name="a"), dict(MINIMAL_MODEL, name="b", device="cuda:0", replicas=2)]}
+    )
+    assert [m.key("device", replica=True) for m in p.models] == [
+        "models[0].device",
+        "models[1].device (replica 0: cuda:0)",
+        "models[1].device (replica 1: cuda:1)",
+    ]

@@ -119,7 +119,7 @@ def test_fractions_of_one_gpu_are_of_what_all_its_weights_leave():
     assert plans[1].kv_budget_bytes == int(0.5 * 64 * 2**20)
     assert plans[2].kv_budget_bytes == fixed
     with pytest.raises(ProfileError, match=r"models\[1\].kv_fraction: a budget of"):
-        resolve_plan(p.models[1], cfg, available_bytes=3 * w, index=1, colocated_bytes=2 * w)
+        resolve_plan(p.models[1], cfg, available_bytes=3 * w, colocated_bytes=2 * w)
 
 
 def test_each_model_has_its_own_region_and_ring_geometry():

@@ -80,10 +80,9 @@ def resolve_plan(
     config: ModelConfig,
     *,
     available_bytes: int | None = None,
-    index: int = 0,
     colocated_bytes: int = 0,
 ) -> ModelPlan:
-    """Size the KV cache and check the limits against the architecture; errors name models[index].
+    """Size the KV cache and check the limits against the architecture; errors name the model's keys.
 
     `kv_fraction` is a fraction of the memory left after the weights: host RAM available now
     (psutil) for device "cpu", the GPU's free memory now for "cuda:N" (so the plan of a CUDA profile
@@ -97,7 +96,7 @@ def resolve_plan(
 
     from blink_appliance.model.kv_cache import PagedKVCache
 
-    key = f"models[{index}]"
+    key = model.key(replica=True)
     if model.max_model_len > config.max_position_embeddings:
         raise ProfileError(
             f"{key}.max_model_len: {model.max_model_len} exceeds the model's "
@@ -161,13 +160,12 @@ def resolve_plans(
         available = available_bytes
         if available is None and others and m.kv_fraction is not None:
             if m.device not in free:
-                free[m.device] = free_bytes(m.device, f"models[{i}].kv_fraction")
+                free[m.device] = free_bytes(m.device, m.key("kv_fraction"))
             available = free[m.device]
         plans[i] = resolve_plan(
             m,
             config,
             available_bytes=available,
-            index=i,
             colocated_bytes=sum(taken[j] for j in others),
         )
     return plans

@@ -61,10 +61,10 @@ def model_plan(profile: Profile, index: int, config: ModelConfig, device_free_by
     m = profile.models[index]
     others = [j for j, o in enumerate(profile.models) if j != index and o.device == m.device != "cpu"]
     if not others or m.kv_fraction is None:
-        return resolve_plan(m, config, index=index)
+        return resolve_plan(m, config)
     if device_free_bytes is None:
         raise ProfileError(
-            f"models[{index}].kv_fraction: {m.device} serves {len(others) + 1} models; the engine needs "
+            f"{m.key('kv_fraction')}: {m.device} serves {len(others) + 1} models; the engine needs "
             "--device-free-bytes (the daemon passes it)"
         )
     from blink_appliance.model.metadata import read_checkpoint_info
@@ -105,7 +105,7 @@ def serve_reference(profile: Profile, index: int, stop: threading.Event) -> None
     pin_cpus(profile.appliance.engine_cpus, "appliance.engine_cpus", ProfileError)
     t0 = _stage(f"loading {m.model_source}")
     ckpt = load_checkpoint(m.model_source, seed=m.seed, quantized=m.cpu_weights == "quantized")
-    plan = resolve_plan(m, ckpt.config, index=index)
+    plan = resolve_plan(m, ckpt.config)
     model = build_model(ckpt, dtype=getattr(torch, m.dtype), device=m.device)
     del ckpt  # the fp32 copy of the weights; the model holds its own
     _done(t0)

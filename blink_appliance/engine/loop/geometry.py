@@ -15,7 +15,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
     eos = tuple(config.eos_token_ids)
     if len(eos) > MAX_EOS_IDS:
         raise ProfileError(
-            f"models[{index}].source: the model has {len(eos)} end-of-sequence ids; the GPU loop checks at most "
+            f"{profile.models[index].key('source')}: the model has {len(eos)} end-of-sequence ids; the GPU loop checks at most "
             f"{MAX_EOS_IDS}"
         )
     geometry = LoopGeometry(

@@ -377,7 +377,7 @@ def build_loop_server(
                 "set TRITON_INTERPRET=1 before the kernels are imported"
             )
     elif not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-        raise ProfileError(f"models[{index}].device: {device} is not available on this machine")
+        raise ProfileError(f"{model.key('device', replica=True)}: {device} is not available on this machine")
     config = checkpoint.config
     geometry = loop_geometry(profile, plan, config, index=index)
     ring = ring_geometry(profile, index)
