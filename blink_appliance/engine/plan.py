@@ -96,10 +96,9 @@ def resolve_plan(
 
     from blink_appliance.model.kv_cache import PagedKVCache
 
-    key = model.key(replica=True)
     if model.max_model_len > config.max_position_embeddings:
         raise ProfileError(
-            f"{key}.max_model_len: {model.max_model_len} exceeds the model's "
+            f"{model.key('max_model_len')}: {model.max_model_len} exceeds the model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
     w_bytes = weights_bytes(config, model.dtype)
@@ -108,10 +107,10 @@ def resolve_plan(
     )
     if model.kv_budget_gib is not None:
         budget = int(model.kv_budget_gib * GIB)
-        budget_key = f"{key}.kv_budget_gib"
+        budget_key = model.key("kv_budget_gib")
     else:
         assert model.kv_fraction is not None
-        budget_key = f"{key}.kv_fraction"
+        budget_key = model.key("kv_fraction", replica=True)  # of this replica's device
         avail = free_bytes(model.device, budget_key) if available_bytes is None else available_bytes
         budget = int(model.kv_fraction * max(0, avail - w_bytes - colocated_bytes))
     # Never more blocks than max_seqs sequences of max_model_len can use.
