@@ -290,6 +290,15 @@ class EngineSection(_Section):
         """lower_class_limit as both engines take it: -1 for no cap."""
         return -1 if self.lower_class_limit is None else self.lower_class_limit
 
+    @property
+    def scheduling(self) -> dict[str, int | bool]:
+        """The scheduler's settings as both engines take them (EngineConfig, LoopGeometry): -1 for unset."""
+        return dict(
+            priority_aging_steps=self.priority_aging_steps, lower_class_limit=self.class_cap,
+            best_effort_batch=self.best_effort_batch or -1, best_effort_priority=self.best_effort_priority,
+            prefix_cache=self.prefix_cache,
+        )  # fmt: skip
+
 
 class TelemetrySection(_Section):
     enabled: bool = True  # serves /telemetry and /telemetry/stream for `blink-appliance top`

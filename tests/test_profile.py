@@ -426,6 +426,8 @@ def test_best_effort_turns_reach_both_engines_and_a_zero_batch_is_refused():
         host = parse_profile(_profile(engine={"mode": "host", **engine}))
         geo = loop_geometry(host, resolve_plan(host.model, config), config)
         assert (geo.best_effort_batch, geo.best_effort_priority) == (batch, priority)
+        for engine_settings in (got, geo):  # every scheduler setting, not only these two
+            assert {k: getattr(engine_settings, k) for k in ref.engine.scheduling} == ref.engine.scheduling
     assert "engine.best_effort_batch" in _error(_profile(engine={"best_effort_batch": 0}))
 
 
@@ -442,7 +444,12 @@ def test_errors_name_the_sections_as_declared_not_as_expanded_by_replicas():
     quantized = _error(_profile(model={"device": "cuda:0", "replicas": 3, "cpu_weights": "quantized"}))
     assert quantized.count("models[0].cpu_weights: 'quantized'") == 1
     p = parse_profile(
-        {"models": [dict(MINIMAL_MODEL, name="a"), dict(MINIMAL_MODEL, name="b", device="cuda:0", replicas=2)]}
+        {
+            "models": [
+                dict(MINIMAL_MODEL, name="a"),
+                dict(MINIMAL_MODEL, name="b", device="cuda:0", replicas=2),
+            ]
+        }
     )
     assert [m.key("device", replica=True) for m in p.models] == [
         "models[0].device",

@@ -84,11 +84,7 @@ def reference_config(profile: Profile, plan: ModelPlan, eos_token_ids: tuple[int
         max_num_batched_tokens=plan.max_num_batched_tokens,
         max_model_len=plan.max_model_len,
         eos_token_ids=eos_token_ids,
-        priority_aging_steps=profile.engine.priority_aging_steps,
-        lower_class_limit=profile.engine.class_cap,
-        best_effort_batch=profile.engine.best_effort_batch or -1,  # unset: every best-effort sequence steps
-        best_effort_priority=profile.engine.best_effort_priority,
-        prefix_cache=profile.engine.prefix_cache,
+        **profile.engine.scheduling,
     )
 
 

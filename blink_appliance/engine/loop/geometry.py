@@ -30,11 +30,7 @@ def loop_geometry(profile: Profile, plan: ModelPlan, config: ModelConfig, *, ind
         max_logit_bias=ring_geometry(profile, index).max_logit_bias,
         vocab_size=config.vocab_size,
         eos_token_ids=eos,
-        priority_aging_steps=profile.engine.priority_aging_steps,
-        lower_class_limit=profile.engine.class_cap,
-        best_effort_batch=profile.engine.best_effort_batch or -1,  # unset: every best-effort sequence steps
-        best_effort_priority=profile.engine.best_effort_priority,
-        prefix_cache=profile.engine.prefix_cache,
+        **profile.engine.scheduling,
         constraint_words=ring_geometry(profile, index).constraint_words,
     )
     try:
