@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("blink_appliance.frontend")
 
 
-def serving_tokenizer(source: str, index: int = 0) -> Tokenizer | TokenIdVocabulary:
-    """The tokenizer the front end serves `source` (models[index]) with: the model's own, or for a
+def serving_tokenizer(source: str, key: str = "models[0].source") -> Tokenizer | TokenIdVocabulary:
+    """The tokenizer the front end serves `source` (the profile's `key`) with: the model's own, or for a
     `dummy:` preset (which has none) token-id prompts in and ids as text out (token_id_vocabulary.py)."""
     from blink_appliance.frontend.token_id_vocabulary import token_id_vocabulary_for
 
@@ -57,7 +57,7 @@ def serving_tokenizer(source: str, index: int = 0) -> Tokenizer | TokenIdVocabul
     vocabulary = token_id_vocabulary_for(source)
     if vocabulary is None:
         raise ProfileError(
-            f"models[{index}].source: {source!r} has no tokenizer, and the HTTP front end needs one "
+            f"{key}: {source!r} has no tokenizer, and the HTTP front end needs one "
             "(only dummy: models are served without one, with token-id prompts)"
         )
     log.info("%s has no tokenizer: token-id prompts only, output text is the ids", source)
@@ -92,12 +92,18 @@ async def serve(
     # of a model share it.
     firsts = [i for i, m in enumerate(models) if not m.replica]
     loaded = await asyncio.gather(
-        *(asyncio.to_thread(serving_tokenizer, models[i].model_source, i) for i in firsts)
+        *(
+            asyncio.to_thread(serving_tokenizer, models[i].model_source, models[i].key("source"))
+            for i in firsts
+        )
     )
     by_name = {models[i].name: tokenizer for i, tokenizer in zip(firsts, loaded, strict=True)}
     tokenizers = [by_name[m.name] for m in models]
     geometries = [ring_geometry(profile, i) for i in range(len(models))]
-    plans = [RegionPlan(m.name, region_name(profile, i), geometries[i]) for i, m in enumerate(models)]
+    plans = [
+        RegionPlan(m.name, region_name(profile, i), geometries[i], m.key(replica=True))
+        for i, m in enumerate(models)
+    ]
     dpu = profile.dpu if fe.transport == "nixl" else None
     links = await attach_engines(plans, request_timeout_s=fe.request_timeout_s, dpu=dpu)
     try:

@@ -29,6 +29,7 @@ class RegionPlan:
     model: str
     region: str
     geometry: RingGeometry
+    key: str = "models[0]"  # the profile's section (and replica) it serves, for errors
 
 
 @dataclass
@@ -64,8 +65,8 @@ async def attach_engines(
         return await _attach_remote(plans, request_timeout_s, dpu)
     links = EngineLinks([])
     try:
-        for i, plan in enumerate(plans):
-            links.links.append(_open(i, plan, request_timeout_s))
+        for plan in plans:
+            links.links.append(_open(plan, request_timeout_s))
             await links.links[-1].client.start()
     except BaseException:
         await detach_engines(links)
@@ -85,7 +86,7 @@ async def _attach_remote(
                 region = remote.region(remote.link, i, plan.geometry)
             except (OSError, ValueError) as e:  # a region laid out for another geometry (another profile)
                 raise ProfileError(
-                    f"models[{i}] ({plan.model}): the remote ring region does not match: {e}"
+                    f"{plan.key} ({plan.model}): the remote ring region does not match: {e}"
                 ) from None
             client = RemoteEngineClient(
                 region, request_timeout_s=request_timeout_s, control_interval_s=CONTROL_INTERVAL_S
@@ -101,8 +102,8 @@ async def _attach_remote(
     return links
 
 
-def _open(index: int, plan: RegionPlan, request_timeout_s: float) -> EngineLink:
-    where = f"models[{index}] ({plan.model}): cannot open its ring region {plan.region!r}"
+def _open(plan: RegionPlan, request_timeout_s: float) -> EngineLink:
+    where = f"{plan.key} ({plan.model}): cannot open its ring region {plan.region!r}"
     try:
         transport = ShmTransport.open(plan.region)
     except (OSError, ValueError) as e:  # missing (engine not up), not a blink region, in use
