@@ -433,6 +433,7 @@ class CompletionService:
             # A whole response needs its tokens only at the end, unless stop strings may end it early;
             # it then hands them over in turns (frontend/turns.py).
             whole = not prep.stream and not prep.stop_strings
+            feed = detok.hold if whole and not choice.wanted else detok.feed  # no piece needed per token
             events = self.client.stream_batches(request_id, whole=whole)
             if whole:
                 events = self._turns.sliced(events, prep.priority)
@@ -452,7 +453,7 @@ class CompletionService:
                         if ev.token_id is not None and not prep.score_only:
                             prep.completion_tokens += 1
                             # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.
-                            piece = "" if reason == FinishReason.STOP else detok.feed(ev.token_id)
+                            piece = "" if reason == FinishReason.STOP else feed(ev.token_id)
                             if choice.wanted:
                                 choice.token(ev.logprobs, piece)
                             text += stops.feed(piece)

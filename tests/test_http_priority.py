@@ -49,13 +49,18 @@ class IdText:
     """Each token's text is its id (" 17"): enough for these tests, which read the ring, not text."""
 
     def __init__(self, tokenizer: object, prompt_ids: list[int]) -> None:
-        pass
+        self._held: list[str] = []
 
     def feed(self, token_id: int) -> str:
-        return f" {token_id}"
+        return self.flush() + f" {token_id}"
+
+    def hold(self, token_id: int) -> str:
+        self._held.append(f" {token_id}")
+        return ""
 
     def flush(self) -> str:
-        return ""
+        text, self._held = "".join(self._held), []
+        return text
 
 
 class Served:

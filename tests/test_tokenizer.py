@@ -134,6 +134,29 @@ def test_detokenizer_deltas_concatenate_to_full_decode(smol):
 
 
 @pytest.mark.slow
+def test_held_tokens_decode_at_once_to_what_fed_tokens_give(smol):
+    """hold (a whole response's tokens) then flush gives the text feed-by-token gives, also for a
+    sequence cut mid-character and after a prompt, with some tokens fed after held ones."""
+    tok, _ = smol
+    cut = tok.encode("🎉", add_special_tokens=False)[:-1]
+    for text in CORPUS + ["".join(CORPUS)]:
+        for ids in (
+            tok.encode(text, add_special_tokens=False),
+            tok.encode(text, add_special_tokens=False) + cut,
+        ):
+            for prompt in (None, tok.encode("Prompt text before:", add_special_tokens=False)):
+                fed = IncrementalDetokenizer(tok, prompt_ids=prompt)
+                expected = "".join([fed.feed(i) for i in ids] + [fed.flush()])
+                held = IncrementalDetokenizer(tok, prompt_ids=prompt)
+                assert [held.hold(i) for i in ids] == [""] * len(ids)
+                assert held.flush() == expected, text
+                mixed = IncrementalDetokenizer(tok, prompt_ids=prompt)
+                half = len(ids) // 2
+                parts = [mixed.hold(i) for i in ids[:half]] + [mixed.feed(i) for i in ids[half:]]
+                assert "".join(parts + [mixed.flush()]) == expected, text
+
+
+@pytest.mark.slow
 def test_detokenizer_holds_back_partial_characters(smol):
     tok, _ = smol
     ids = tok.encode("🎉", add_special_tokens=False)

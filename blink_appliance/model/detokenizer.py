@@ -47,6 +47,12 @@ class IncrementalDetokenizer:
         self._ids.append(int(token_id))
         return self._delta(final=False)
 
+    def hold(self, token_id: int) -> str:
+        """Take a token whose text is wanted only at the end (a whole response): nothing is decoded
+        now, and the next feed or flush decodes every held token at once. Returns ""."""
+        self._ids.append(int(token_id))
+        return ""
+
     def flush(self) -> str:
         """Whatever is still held back (incomplete bytes decode to U+FFFD, as a full decode would)."""
         return self._delta(final=True)
