@@ -217,6 +217,15 @@ def appliance_server(geo: Geometry, args: argparse.Namespace, log: Path) -> tupl
     return ServerProcess(geo.spec, argv, log), text
 
 
+def run_record(args: argparse.Namespace) -> dict[str, Any]:
+    """When and how a bench ran (the date, its command line and its arguments), for its report."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+
+
 def say(message: str) -> None:
     print(f"[http_sweep] {message}", file=sys.stderr, flush=True)
 
@@ -318,9 +327,7 @@ def main() -> None:
     args.input_len = min(args.input_len, mml_min - args.output_len - 1)
     report: dict[str, Any] = {
         "gpu": gpu_name(args.device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **run_record(args),
         "geometries": [],
     }
     say(f"{report['gpu']}; budget {args.budget_s:.0f} s; cases {', '.join(args.cases)}")

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -44,6 +42,7 @@ from bench.http_sweep import (  # noqa: E402
     ms,
     one_geometry_parser,
     request_tpot_s,
+    run_record,
 )
 from blink_appliance.bench.datasets import BenchRequest  # noqa: E402
 from blink_appliance.bench.load_generator import LoadConfig, RequestRecord, send_one  # noqa: E402
@@ -135,9 +134,7 @@ def main() -> None:
     args = model_defaults(ap.parse_args())
     geo = Geometry.parse(args.geometry)
     report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **run_record(args),
         "phases": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

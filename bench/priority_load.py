@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import multiprocessing
 import random
-import shlex
 import shutil
 import subprocess
 import sys
@@ -45,6 +43,7 @@ from bench.http_sweep import (  # noqa: E402
     ms,
     one_geometry_parser,
     request_tpot_s,
+    run_record,
 )
 from blink_appliance.bench.datasets import BenchRequest  # noqa: E402
 from blink_appliance.bench.load_generator import (  # noqa: E402
@@ -252,9 +251,7 @@ def main() -> None:
         args.engine_lines.append(f"best_effort_batch = {args.best_effort_batch}")
     geo = Geometry.parse(args.geometry)
     report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **run_record(args),
         "phases": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

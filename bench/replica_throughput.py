@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ from bench.http_sweep import (  # noqa: E402
     gpu_name,
     model_defaults,
     one_geometry_parser,
+    run_record,
 )
 from bench.priority_load import generated_tokens, prompt  # noqa: E402
 from blink_appliance.bench.load_generator import LoadConfig, RequestRecord, send_one  # noqa: E402
@@ -98,9 +97,7 @@ def main() -> None:
     per_replica = args.concurrency_per_replica or geo.max_seqs
     report: dict[str, Any] = {
         "gpu": gpu_name(args.device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **run_record(args),
         "runs": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
