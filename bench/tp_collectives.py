@@ -103,15 +103,16 @@ def timed(stream: torch.cuda.Stream, launch: Callable[[], None]) -> float:
 class WhileGraph:
     """WHILE(counter > 0) { [switch: SWITCH(0) {] reduce [}] ; x *= 0.5; counter -= 1 } as the loop builds it."""
 
-    def __init__(self, method: Method | None, x: torch.Tensor, control: LoopControl, switch: bool) -> None:
-        rt = cudart()
-        self.control, self.captures, self.pool = control, [], torch.cuda.graph_pool_handle()
+    def __init__(self, x: torch.Tensor, control: LoopControl) -> None:
+        self.x, self.control, self.captures, self.pool = x, control, [], torch.cuda.graph_pool_handle()
         self.counter = torch.zeros(1, dtype=torch.int32, device=x.device)
         self.keep = torch.zeros(1, dtype=torch.int32, device=x.device)
-        self.zero = torch.zeros(
-            1, dtype=torch.int32, device=x.device
-        )  # kept: set_switch reads it every iteration
-        self.stage = "create"
+        self.zero = torch.zeros(1, dtype=torch.int32, device=x.device)  # set_switch reads it every iteration
+        self.stage, self.graph, self.exec = "create", None, None
+
+    def build(self, method: Method | None, switch: bool) -> None:
+        """The graph around `method`'s all-reduce (None: an empty body); `stage` says how far it got."""
+        rt, x, control = cudart(), self.x, self.control
         (self.graph,) = check(rt.cudaGraphCreate(0))
         (wh,) = check(rt.cudaGraphConditionalHandleCreate(self.graph, 1, ASSIGN_DEFAULT))
         _, (body,) = DeviceLoop._add_conditional(
@@ -158,8 +159,10 @@ class WhileGraph:
 
     def close(self) -> None:
         rt = cudart()
-        check(rt.cudaGraphExecDestroy(self.exec))
-        check(rt.cudaGraphDestroy(self.graph))
+        if self.exec is not None:
+            check(rt.cudaGraphExecDestroy(self.exec))
+        if self.graph is not None:
+            check(rt.cudaGraphDestroy(self.graph))
 
 
 def node_types(launch: Callable[[], None]) -> dict[str, int]:
@@ -240,18 +243,17 @@ def measure(
         replays * args.reps,
     )
     for name, m, switch in (("while_empty", None, False), ("while", method, False), ("switch", method, True)):
-        graph, building = None, WhileGraph.__new__(WhileGraph)
+        graph = WhileGraph(x, control)
         try:
-            building.__init__(m, x, control, switch)
-            graph, built = building, True
+            graph.build(m, switch)
+            built = True
         except Exception as e:  # noqa: BLE001 - the finding: this body cannot hold the collective
-            out[name], built = {"error": f"{type(e).__name__}: {e}"[:300], "stage": building.stage}, False
+            out[name], built = {"error": f"{type(e).__name__}: {e}"[:300], "stage": graph.stage}, False
         if agreed(built):
             out[name] = variant(name, lambda g=graph: g.run(iters, stream), x, rank, iters)
         else:
             out.setdefault(name, {"error": "another rank could not build it"})
-        if graph is not None:
-            graph.close()
+        graph.close()
     if "us" in out.get("while", {}) and "us" in out.get("while_empty", {}):
         out["while_net_us"] = round(out["while"]["us"] - out["while_empty"]["us"], 2)
     return out
