@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from aiohttp import web
+from blink_appliance.frontend.loop_lag import LoopLag
 
 from blink_appliance.processes import pin_cpus, watch_parent
 from blink_appliance.profile import (
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from blink_appliance.wire.ring_layout import RingGeometry
 
 log = logging.getLogger("blink_appliance.frontend")
+SWITCH_INTERVAL_S = 0.001
 
 
 def serving_tokenizer(source: str, key: str = "models[0].source") -> Tokenizer | TokenIdVocabulary:
@@ -141,12 +143,17 @@ async def serve(
         tmp.replace(ready_file)  # atomic: the daemon never reads half a URL
 
     unwatch_gc = router.metrics.watch_gc()
+    lag = LoopLag.from_env(router.metrics.loop_lag.observe)
+    lag.start()
     # Every stream waits out a collection. What start-up built lives as long as the process: frozen,
-    # collections skip it. Each pump pass makes ~1k token events that are alive at once, which at
-    # the default 700 set off a young collection nearly every pass (485 collections, 0.69 s in 22 s
-    # on an H100 host; at 50k: one, 41 ms; bench/results/2026-11-27-h100-frontend-reads.md).
+    # collections skip it. Objects alive at once under load (streams' token events, requests in
+    # flight) set off a young collection at every 700 allocations at the default (485 collections,
+    # 0.69 s in 22 s on an H100 host; at 50k: one, 41 ms; bench/results/2026-11-27-h100-frontend-reads.md).
     gc.freeze()
     gc.set_threshold(50_000, 10, 10)
+    # The telemetry samplers' threads hold the GIL for up to the switch interval whenever they
+    # run, and the event loop waits that long: 1 ms, not 5 (bench/results/2026-11-27-h100-loop-lag.md).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     await stop.wait()
 
     # Drain: refuse new work with 503, let in-flight requests finish, cancel what is left. Should
@@ -162,6 +169,7 @@ async def serve(
     await runner.cleanup()
     faulthandler.cancel_dump_traceback_later()
     unwatch_gc()
+    lag.stop()
 
 
 def _services(

@@ -1,9 +1,8 @@
 """One request's way through the front end: tokenize -> validate -> submit -> stream -> detokenize -> stop strings.
 
 The service knows nothing about HTTP (handlers.py turns its pieces into JSON or SSE); it talks to
-the engine only through the ring client. Every admitted request ends in exactly one terminal
-piece (a finish reason) or one EngineFailure, and leaving `generate` early (client gone, stop
-string matched) closes the ring stream, which cancels the request in the engine.
+the engine only through the ring client. Every admitted request ends in exactly one terminal piece
+(a finish reason) or one EngineFailure; leaving `generate` early cancels the request in the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from blink_appliance.frontend.tool_calls import tool_mode
 from blink_appliance.frontend.turns import Turns
 
 from blink_appliance.wire.client import EngineBusyError, EngineDeadError
-from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.wire.request import FinishReason, OutputEvent, SamplingParams, TokenRun
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class EngineClientLike(Protocol):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Any: ...
 
-    def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]: ...
+    def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[OutputEvent]]: ...
 
     def abandon(self, request_id: int) -> None: ...
 
@@ -75,8 +74,7 @@ class ServiceLimits:
     logprobs_refusal: str | None = None
     # Why it cannot follow a structured-output constraint (None: CompletionService.constraints does).
     constraint_refusal: str | None = None
-    # The engine caches prompt prefixes (the ring carries block hashes): n > 1 choices then submit
-    # the first one alone and the rest once its prompt is computed, so they share its KV blocks.
+    # The engine caches prefixes: n > 1 choices submit the first alone, the rest once it is computed.
     shares_prefixes: bool = False
 
 
@@ -102,6 +100,8 @@ class Prepared:
     echo: str | None = None  # the prompt's text, sent before the completion (completions' echo)
     score_only: bool = False  # max_tokens 0 with echo: the one token generated is not returned
     tool_mode: Any = None  # chat with tools: how the reply becomes a tool call (frontend/tool_calls.py)
+    arrived_ns: int = 0  # when its HTTP handler began, and when it went to the engine (monotonic ns)
+    submitted_ns: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -389,6 +389,7 @@ class CompletionService:
                 retry_after_s=self.limits.retry_after_s,
             )
         try:
+            prep.submitted_ns = time.monotonic_ns()
             rid = self.client.submit(prep.prompt_ids, prep.params, priority=prep.priority)
             if inspect.isawaitable(rid):
                 rid = await rid
@@ -407,12 +408,9 @@ class CompletionService:
         return int(rid)
 
     async def generate(self, prep: Prepared) -> AsyncIterator[Piece]:
-        """Submit, yield one empty piece once admitted, then text pieces; the last carries the finish reason.
-
-        Raises APIError instead of the admission piece when the request cannot be admitted, and
-        EngineFailure when the engine fails it later. Close the generator (contextlib.aclosing)
-        to cancel.
-        """
+        """Submit, yield one empty piece once admitted, then text pieces; the last carries the finish
+        reason. Raises APIError instead of the admission piece when the request cannot be admitted,
+        and EngineFailure when the engine fails it later. Close the generator (aclosing) to cancel."""
         request_id = await self.submit(prep)
         try:
             yield Piece("")  # admitted: the caller may now commit to a 200 (e.g. start an SSE stream)
@@ -421,17 +419,17 @@ class CompletionService:
             raise
         self._inflight.count += 1
         self._inflight.idle.clear()
-        timer = self.metrics.request_timer(prep.prompt_tokens, prep.priority)
+        timer = self.metrics.request_timer(
+            prep.prompt_tokens, prep.priority, prep.arrived_ns, prep.submitted_ns
+        )
         detok = self._detokenizer_factory(self.tokenizer, prep.prompt_ids)
         stops = StopStringMatcher(prep.stop_strings)
         choice = ChoiceLogprobs(prep.top_n is not None)
         echo = prep.echo
         finished = False
         try:
-            # Tokens that reached the front end together go out as one piece: under load (many
-            # streams, one front-end core) per-token work is what sets the pace.
-            # A whole response needs its tokens only at the end, unless stop strings may end it early;
-            # it then hands them over in turns (frontend/turns.py).
+            # Tokens that reached the front end together go out as one piece: per-token work sets the
+            # pace under load. A whole response (no stop strings) makes its text at the end, in turns.
             whole = not prep.stream and not prep.stop_strings
             feed = detok.hold if whole and not choice.wanted else detok.feed  # no piece needed per token
             events = self.client.stream_batches(request_id, whole=whole)
@@ -439,17 +437,21 @@ class CompletionService:
                 events = self._turns.sliced(events, prep.priority)
             async with contextlib.aclosing(events):  # leaving early cancels in the engine
                 async for batch in events:
-                    now, last_stamp, text = time.monotonic_ns(), batch[-1].timestamp_ns, ""
+                    text = ""
                     if not prep.score_only:
-                        # The engine's spacing within the batch, ending now: the latency tracker
-                        # sees its cadence, not one arrival for all of them.
-                        gaps = [last_stamp - ev.timestamp_ns for ev in batch if ev.token_id is not None]
-                        timer.tokens([now - max(0, gap) for gap in gaps])
+                        timer.batch(batch)
                     for ev in batch:
-                        reason = ev.finish_reason
-                        if echo is not None and ev.token_id is not None:  # the prompt comes first
+                        run = isinstance(ev, TokenRun)  # whole, so no stop strings and no logprobs
+                        if echo is not None and (run or ev.token_id is not None):  # the prompt comes first
                             text, echo = echo, None
-                            choice.prompt(prep.prompt_ids, self._prompt_deltas(prep), ev.prompt_logprobs)
+                            prompt_lps = None if run else ev.prompt_logprobs
+                            choice.prompt(prep.prompt_ids, self._prompt_deltas(prep), prompt_lps)
+                        if run:
+                            if not prep.score_only:
+                                prep.completion_tokens += len(ev.token_ids)
+                                text += stops.feed("".join(map(feed, ev.token_ids)))
+                            continue
+                        reason = ev.finish_reason
                         if ev.token_id is not None and not prep.score_only:
                             prep.completion_tokens += 1
                             # A stop token (EOS or stop_token_ids) ends the text; it is not part of it.

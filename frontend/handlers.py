@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -87,9 +88,11 @@ def _failure(e: EngineFailure) -> APIError:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic_ns()
     req = parse_request(CompletionRequest, await json_body(request))
     service = request.app[MODELS].service_for(req.model)
     prep = await service.prepare_completion(req, request.get(KEY_PRIORITY))
+    prep.arrived_ns = arrived
     model = service.limits.model_name
     created = now_s()
 
@@ -110,9 +113,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic_ns()
     req = parse_request(ChatCompletionRequest, await json_body(request))
     service = request.app[MODELS].service_for(req.model)
     prep = await service.prepare_chat(req, request.get(KEY_PRIORITY))
+    prep.arrived_ns = arrived
     model = service.limits.model_name
     created = now_s()
     opened: set[int] = set()  # choices whose stream has sent its role

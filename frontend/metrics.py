@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from blink_appliance.telemetry.latency import MAX_PRIORITY_CLASSES, TokenLatencyTracker
 from blink_appliance.telemetry.snapshot import engine_counters_from
+from blink_appliance.wire.request import OutputEvent, TokenRun
 from blink_appliance.wire.ring_layout import STEP_TIME_BOUNDS_US, STEP_TIME_FIELDS
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _GC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
+_PART_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0, 10.0)
 _LABELS = ["model_name"]
 _CLASS_LABELS = ["model_name", "priority"]
 OTHER_CLASS = "other"  # the label of classes beyond a model's first MAX_PRIORITY_CLASSES
@@ -132,6 +134,13 @@ class MetricsRegistry:
             "blink_time_per_output_token_seconds", "Time per output token after the first", _CLASS_LABELS,
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.first_token_parts = Histogram(
+            "blink_first_token_part_seconds",
+            "Time to first token in parts: frontend (from the HTTP handler's start to the submission), "
+            "engine (from there to the engine's stamp of the first token) and delivery (from that stamp "
+            "to the front end handing it on)",
+            [*_CLASS_LABELS, "part"], buckets=_PART_BUCKETS, registry=r,
+        )  # fmt: skip
         self.e2e = Histogram(
             "blink_e2e_request_latency_seconds", "Request latency, arrival to last token", _CLASS_LABELS,
             buckets=_E2E_BUCKETS, registry=r,
@@ -151,6 +160,11 @@ class MetricsRegistry:
         self.gc_pause = Histogram(
             "blink_frontend_gc_pause_seconds", "The front end's garbage-collection pauses, by generation",
             ["generation"], buckets=_GC_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.loop_lag = Histogram(
+            "blink_frontend_loop_lag_seconds",
+            "How late the front end's event loop ran a timer due every 2 ms (every stream waits that long)",
+            buckets=_GC_BUCKETS, registry=r,
         )  # fmt: skip
         self._engines = _EngineGauges()
         r.register(self._engines)
@@ -195,6 +209,9 @@ class _ClassSeries:
         self.ttft = families.ttft.labels(model, label)
         self.tpot = families.tpot.labels(model, label)
         self.e2e = families.e2e.labels(model, label)
+        self.frontend_part = families.first_token_parts.labels(model, label, "frontend")
+        self.engine_part = families.first_token_parts.labels(model, label, "engine")
+        self.delivery_part = families.first_token_parts.labels(model, label, "delivery")
         self.tracker = tracker
 
 
@@ -244,9 +261,13 @@ class ServingMetrics:
         tracker = self._class_tracker(priority) if self._class_tracker is not None else None
         return _ClassSeries(self.families, self.model, label, tracker)
 
-    def request_timer(self, prompt_tokens: int, priority: int = 0) -> RequestTimer:
+    def request_timer(
+        self, prompt_tokens: int, priority: int = 0, arrived_ns: int = 0, submitted_ns: int = 0
+    ) -> RequestTimer:
+        """A request's timer; `arrived_ns` and `submitted_ns` (when its handler began and when it
+        went to the engine; 0: not known) time its first token's parts."""
         self._prompt_child.inc(prompt_tokens)
-        return RequestTimer(self, self.series(priority))
+        return RequestTimer(self, self.series(priority), arrived_ns, submitted_ns)
 
     def error(self, cause: str, priority: int = 0) -> None:
         self.families.errors.labels(self.model, self.series(priority).label, cause).inc()
@@ -259,12 +280,31 @@ class ServingMetrics:
         return self.families.render()
 
 
+def arrivals(batch: list[OutputEvent], now: int) -> list[int]:
+    """When each token of `batch` arrived, as the latency tracker sees it: the engine's spacing
+    within the batch, ending now (its cadence, not one arrival for all of them)."""
+    last = batch[-1]
+    end = last.timestamps_ns[-1] if isinstance(last, TokenRun) else last.timestamp_ns
+    out: list[int] = []
+    for ev in batch:
+        if isinstance(ev, TokenRun):
+            out += [now - max(0, end - stamp) for stamp in ev.timestamps_ns]
+        elif ev.token_id is not None:
+            out.append(now - max(0, end - ev.timestamp_ns))
+    return out
+
+
 class RequestTimer:
     """Timestamps of one request's tokens (monotonic ns, the latency tracker's clock)."""
 
-    def __init__(self, metrics: ServingMetrics, series: _ClassSeries) -> None:
+    def __init__(
+        self, metrics: ServingMetrics, series: _ClassSeries, arrived_ns: int = 0, submitted_ns: int = 0
+    ) -> None:
         self._m = metrics
         self._series = series
+        self.submitted_ns = submitted_ns
+        if arrived_ns and submitted_ns:
+            series.frontend_part.observe(max(0, submitted_ns - arrived_ns) / 1e9)
         self.start_ns = time.monotonic_ns()
         self.first_ns: int | None = None
         self.last_ns: int | None = None
@@ -273,6 +313,18 @@ class RequestTimer:
     def token(self, now: int | None = None) -> None:
         """A token delivered at `now` (monotonic ns; default: this moment)."""
         self.tokens([time.monotonic_ns() if now is None else now])
+
+    def batch(self, batch: list[OutputEvent]) -> None:
+        """The tokens of `batch`, delivered now; with the first, the engine's and the delivery's
+        parts of the time to it (the engine stamps tokens on the host's monotonic clock)."""
+        now = time.monotonic_ns()
+        if self.first_ns is None and self.submitted_ns:
+            first = next((ev for ev in batch if isinstance(ev, TokenRun) or ev.token_id is not None), None)
+            if first is not None:
+                stamp = first.timestamps_ns[0] if isinstance(first, TokenRun) else first.timestamp_ns
+                self._series.engine_part.observe(max(0, stamp - self.submitted_ns) / 1e9)
+                self._series.delivery_part.observe(max(0, now - stamp) / 1e9)
+        self.tokens(arrivals(batch, now))
 
     def tokens(self, arrivals: list[int]) -> None:
         """Tokens delivered at `arrivals` (monotonic ns, in order; a stamp before the last is taken as

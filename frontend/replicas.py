@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blink_appliance.wire.errors import EngineBusyError
-from blink_appliance.wire.request import SamplingParams, TokenEvent
+from blink_appliance.wire.request import OutputEvent, SamplingParams
 
 # Telemetry words that are not summed over the replicas: the newest stamp, and the first replica's
 # epoch and state (each replica has its own; the dashboard shows one).
@@ -62,7 +62,7 @@ class ReplicaSet:
         assert busy is not None
         raise busy
 
-    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
+    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[OutputEvent]]:
         placed = self._placed.get(request_id)
         if placed is None:
             raise KeyError(f"unknown or already finished request id {request_id}")
@@ -71,7 +71,7 @@ class ReplicaSet:
             # Closed with this stream: leaving early must cancel the request in its engine now.
             async with contextlib.aclosing(inner):
                 async for batch in inner:
-                    spent = min(placed.outstanding, sum(e.token_id is not None for e in batch))
+                    spent = min(placed.outstanding, sum(len(e.token_ids) for e in batch))
                     placed.outstanding -= spent
                     self.outstanding[placed.replica] -= spent
                     yield batch

@@ -233,6 +233,12 @@ async def test_metrics_and_telemetry_are_per_class(aiohttp_client):
     for prio, n in counts.items():
         labels = f'model_name="{MODEL}",priority="{prio}"'
         assert sample_value(text, f"blink_time_to_first_token_seconds_count{{{labels}}}") == n
+        # Its first tokens' parts, each once per request, on one clock (the engine's stamps are
+        # the host's monotonic ns): a stamp on another clock would make a part of hours or 0.
+        for part in ("frontend", "engine", "delivery"):
+            part_labels = f'model_name="{MODEL}",part="{part}",priority="{prio}"'
+            assert sample_value(text, f"blink_first_token_part_seconds_count{{{part_labels}}}") == n
+            assert 0 < sample_value(text, f"blink_first_token_part_seconds_sum{{{part_labels}}}") < 5 * n
         assert sample_value(text, f"blink_time_per_output_token_seconds_count{{{labels}}}") == n
         assert sample_value(text, f"blink_e2e_request_latency_seconds_count{{{labels}}}") == n
         success = f'blink_request_success_total{{finished_reason="length",{labels}}}'

@@ -1,6 +1,7 @@
 """Responses sent whole (EngineClient.stream_batches with `whole`): after the first tokens, the pump
 leaves their channels unread until HELD_TOKENS tokens wait there or the request ends, so a batch of
-them costs the front end no work per engine step."""
+them costs the front end no work per engine step; and what it reads comes as one TokenRun, not an
+event per token."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from blink_appliance.wire.channels import HELD_TOKENS, WHOLE_READS_PER_PASS, spread
-from blink_appliance.wire.request import FinishReason, SamplingParams
+from blink_appliance.wire.request import FinishReason, OutputEvent, SamplingParams, TokenEvent, TokenRun
 from tests.ring_support import (
     SMALL,
     CounterEngine,
@@ -22,6 +23,10 @@ from tests.ring_support import (
 )
 
 LONG = dataclasses.replace(SMALL, request_slots=32, max_output_tokens=512, logprob_pairs=1 << 14)
+
+
+def tokens_of(batch: list[OutputEvent]) -> list[int]:
+    return [token for event in batch for token in event.token_ids]
 
 
 async def test_a_whole_response_is_read_from_its_channel_every_held_tokens_tokens():
@@ -40,10 +45,15 @@ async def test_a_whole_response_is_read_from_its_channel_every_held_tokens_token
             assert int(client._delivered[slot]) == read, "the pump read a whole response every step"
             rest = [batch async for batch in batches]
     assert rest[-1][-1].finish_reason is FinishReason.LENGTH
-    assert all(len(batch) >= HELD_TOKENS for batch in rest[:-1]), [len(b) for b in rest]
+    assert all(len(tokens_of(batch)) >= HELD_TOKENS for batch in rest[:-1]), [len(tokens_of(b)) for b in rest]
     assert 1 <= len(rest) <= max_tokens // HELD_TOKENS + 1
-    tokens = [e.token_id for e in first + sum(rest, []) if e.token_id is not None]
+    # One object per read, whatever its length: the token run, then the terminal event.
+    assert all(len(batch) == 1 and isinstance(batch[0], TokenRun) for batch in rest[:-1])
+    assert [type(e) for e in rest[-1]] in ([TokenRun, TokenEvent], [TokenEvent])
+    tokens = tokens_of(first + sum(rest, []))
     assert tokens == [expected_token([5, 6], i) for i in range(max_tokens)]
+    stamps = [t for batch in rest for e in batch if isinstance(e, TokenRun) for t in e.timestamps_ns]
+    assert stamps == sorted(stamps) and all(stamps)
 
 
 async def test_a_streamed_response_is_read_every_step():
@@ -84,7 +94,7 @@ async def test_whole_responses_due_together_all_arrive_whole():
             async def tokens(rid: int) -> list[int]:
                 batches = [b async for b in client.stream_batches(rid, whole=True)]
                 assert batches[-1][-1].finish_reason is FinishReason.LENGTH
-                return [e.token_id for b in batches for e in b if e.token_id is not None]
+                return [t for b in batches for t in tokens_of(b)]
 
             got = await asyncio.gather(*(tokens(rid) for rid in ids))
     for k, toks in enumerate(got):

@@ -11,12 +11,16 @@ Memory is bounded: samples live in fixed-size deques, token counts in per-second
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+
+import numpy as np
 
 from blink_appliance.telemetry.snapshot import LatencyStats
 
@@ -28,9 +32,9 @@ _NS_PER_MS = 1_000_000
 _NS_PER_S = 1_000_000_000
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+def percentile(sorted_values: Sequence[float] | np.ndarray, q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default) of already sorted values; None if empty."""
-    if not sorted_values:
+    if len(sorted_values) == 0:
         return None
     if len(sorted_values) == 1:
         return float(sorted_values[0])
@@ -39,6 +43,28 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     hi = min(lo + 1, len(sorted_values) - 1)
     frac = rank - lo
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac)
+
+
+class _Samples:
+    """(stamp ns, value ms) pairs, newest last, at most `size`: two deques, so a snapshot reads
+    them into arrays in one call each instead of a Python step per sample (a snapshot of full
+    windows took milliseconds of the front end's loop)."""
+
+    def __init__(self, size: int) -> None:
+        self.stamps: deque[int] = deque(maxlen=size)
+        self.values: deque[float] = deque(maxlen=size)
+
+    def extend(self, stamps: Sequence[int], values: Sequence[float]) -> None:
+        self.stamps.extend(stamps)
+        self.values.extend(values)
+
+    def since(self, since_ns: int) -> np.ndarray:
+        """The values stamped at or after `since_ns`, sorted. Stamps come in order, nearly (each
+        request's are; requests interleave by microseconds), so the window's start is a bisection."""
+        start = bisect.bisect_left(self.stamps, since_ns) if self.stamps and self.stamps[0] < since_ns else 0
+        values = np.fromiter(itertools.islice(self.values, start, None), np.float64, len(self.values) - start)
+        values.sort()
+        return values
 
 
 @dataclass
@@ -68,10 +94,9 @@ class TokenLatencyTracker:
         self._bucket_ns = int(bucket_s * _NS_PER_S)
         self._window_ns = int(window_s * _NS_PER_S)
         self._lock = threading.Lock()
-        # (timestamp_ns, value_ms) pairs, newest last.
-        self._ttft: deque[tuple[int, float]] = deque(maxlen=max_samples)
-        self._itl: deque[tuple[int, float]] = deque(maxlen=max_samples)
-        self._tpot: deque[tuple[int, float]] = deque(maxlen=max_samples)
+        self._ttft = _Samples(max_samples)
+        self._itl = _Samples(max_samples)
+        self._tpot = _Samples(max_samples)
         window_buckets = int(window_s / bucket_s) + 1
         self._buckets: deque[_Bucket] = deque(maxlen=history_len + window_buckets + 2)
         self._total_tokens = 0
@@ -83,8 +108,8 @@ class TokenLatencyTracker:
 
     def record_first_token(self, request_start_ns: int, now_ns: int) -> None:
         with self._lock:
-            self._ttft.append((now_ns, (now_ns - request_start_ns) / _NS_PER_MS))
-            self._count_tokens([(now_ns, None)])
+            self._ttft.extend((now_ns,), ((now_ns - request_start_ns) / _NS_PER_MS,))
+            self._count_tokens((now_ns,), (None,))
 
     def record_token(self, prev_token_ns: int, now_ns: int) -> None:
         self.record_tokens(prev_token_ns, (now_ns,))
@@ -92,10 +117,10 @@ class TokenLatencyTracker:
     def record_tokens(self, prev_token_ns: int, stamps: Sequence[int]) -> None:
         """`record_token` for each of `stamps` in turn, the first after `prev_token_ns` (one lock for
         a whole batch: the front end records every token it delivers)."""
-        itls = [(now_ns, (now_ns - prev) / _NS_PER_MS) for prev, now_ns in pairwise((prev_token_ns, *stamps))]
+        itls = [(now_ns - prev) / _NS_PER_MS for prev, now_ns in pairwise((prev_token_ns, *stamps))]
         with self._lock:
-            self._itl.extend(itls)
-            self._count_tokens(itls)
+            self._itl.extend(stamps, itls)
+            self._count_tokens(stamps, itls)
 
     def record_request_done(self, first_token_ns: int, last_token_ns: int, num_tokens: int) -> None:
         """TPOT of a finished request: decode time over the tokens after the first."""
@@ -103,13 +128,28 @@ class TokenLatencyTracker:
             return
         with self._lock:
             tpot_ms = (last_token_ns - first_token_ns) / _NS_PER_MS / (num_tokens - 1)
-            self._tpot.append((last_token_ns, tpot_ms))
+            self._tpot.extend((last_token_ns,), (tpot_ms,))
 
-    def _count_tokens(self, itls: Sequence[tuple[int, float | None]]) -> None:
-        """Tokens at (stamp, ITL ms or None for a first token) into their per-second buckets."""
+    def _count_tokens(self, stamps: Sequence[int], itls: Sequence[float | None]) -> None:
+        """Tokens at `stamps`, with their ITL ms (None for a first token), into their per-second buckets."""
+        self._total_tokens += len(stamps)
+        if not stamps:
+            return
+        if self._first_ns is None:
+            self._first_ns = stamps[0]
+        if stamps[0] // self._bucket_ns == stamps[-1] // self._bucket_ns:
+            # One bucket for the whole batch (stamps come in order): a whole response's hundreds
+            # of tokens cost the same few steps as one.
+            bucket = self._bucket_for(stamps[0] // self._bucket_ns)
+            if bucket is not None:
+                known = [itl for itl in itls if itl is not None]
+                bucket.tokens += len(stamps)
+                bucket.itl_sum_ms += sum(known)
+                bucket.itl_count += len(known)
+            return
         index, bucket = None, None
-        for now_ns, itl_ms in itls:
-            if now_ns // self._bucket_ns != index:  # a batch's stamps mostly share one bucket
+        for now_ns, itl_ms in zip(stamps, itls, strict=True):
+            if now_ns // self._bucket_ns != index:
                 index = now_ns // self._bucket_ns
                 bucket = self._bucket_for(index)
             if bucket is not None:
@@ -117,9 +157,6 @@ class TokenLatencyTracker:
                 if itl_ms is not None:
                     bucket.itl_sum_ms += itl_ms
                     bucket.itl_count += 1
-        self._total_tokens += len(itls)
-        if self._first_ns is None and itls:
-            self._first_ns = itls[0][0]
 
     def _bucket_for(self, index: int) -> _Bucket | None:
         if not self._buckets or self._buckets[-1].index < index:
@@ -137,9 +174,7 @@ class TokenLatencyTracker:
         now_ns = self._clock() if now_ns is None else now_ns
         since = now_ns - self._window_ns
         with self._lock:
-            ttft = sorted(v for t, v in self._ttft if t >= since)
-            itl = sorted(v for t, v in self._itl if t >= since)
-            tpot = sorted(v for t, v in self._tpot if t >= since)
+            ttft, itl, tpot = (samples.since(since) for samples in (self._ttft, self._itl, self._tpot))
             buckets = {b.index: b for b in self._buckets}
             total = self._total_tokens
             first_ns = self._first_ns

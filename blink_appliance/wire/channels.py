@@ -12,7 +12,7 @@ import numpy as np
 
 from blink_appliance.wire.logprob_area import LogprobStream
 from blink_appliance.wire.region import RingRegion
-from blink_appliance.wire.request import FinishReason, TokenEvent
+from blink_appliance.wire.request import FinishReason, OutputEvent, TokenEvent, TokenRun
 from blink_appliance.wire.ring_layout import FINISH_FROM_CODE, ErrorCode
 
 # How many tokens a whole (not streamed) response's channel gathers between reads: rare enough that
@@ -32,17 +32,20 @@ class Pending:
     request_id: int
     slot: int
     generation: int
-    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[OutputEvent] = field(default_factory=asyncio.Queue)
+    runs: bool = False  # tokens go as one TokenRun per read (a whole response without logprobs)
     terminated: bool = False  # the stream already got its terminal event (maybe a local one)
     deadline_ns: int = 0  # when the request times out (0: never)
     payload_wait_since_ns: int = 0  # when a count was first seen ahead of its tokens (0: not waiting)
     logprobs: LogprobStream | None = None  # the request's rows in the logprob area, when it asked
 
     def deliver(self, tokens: np.ndarray, times: np.ndarray, n: int) -> None:
-        """The first `n` tokens as non-final events."""
+        """The first `n` tokens as non-final events (one TokenRun for all of them, with `runs`)."""
         if not n:
             return
-        if self.logprobs is not None:
+        if self.runs:
+            self.queue.put_nowait(TokenRun(self.request_id, tokens[:n].tolist(), times[:n].tolist()))
+        elif self.logprobs is not None:
             for i, (token, stamp, lp) in enumerate(
                 zip(tokens[:n].tolist(), times[:n].tolist(), self.logprobs.take(n), strict=True)
             ):

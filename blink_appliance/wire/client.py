@@ -22,7 +22,7 @@ from blink_appliance.wire.engine_watch import EngineWatch
 from blink_appliance.wire.errors import EngineBusyError, EngineDeadError
 from blink_appliance.wire.prefix_hash import arena_words
 from blink_appliance.wire.region import RingRegion, checked_submission
-from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.wire.request import FinishReason, OutputEvent, SamplingParams, TokenEvent
 from blink_appliance.wire.request_areas import RequestAreas
 from blink_appliance.wire.ring_cursor import RingCursor
 from blink_appliance.wire.ring_layout import FINAL_BIT, RingGeometry
@@ -30,9 +30,8 @@ from blink_appliance.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 
-# How long the engine's heartbeat may stand still before its open streams fail (docs/reliability.md).
-# A stall shorter than this (a busy host, a stopped process that resumes) makes streams wait; an engine
-# that exits is seen at once through engine_state, which the engine or the daemon sets.
+# How long the engine's heartbeat may stand still before its open streams fail (docs/reliability.md):
+# a shorter stall makes streams wait; an engine that exits is seen at once through engine_state.
 ENGINE_STALL_LIMIT_S = 10.0
 # How often the pump looks for requests past their deadline and checks the ring's words.
 TIMEOUT_CHECK_NS = 100_000_000
@@ -225,16 +224,18 @@ class EngineClient:
         async with contextlib.aclosing(self.stream_batches(request_id)) as batches:
             async for batch in batches:
                 for event in batch:
+                    assert isinstance(event, TokenEvent)  # runs come only to a stream opened `whole`
                     yield event
 
-    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[TokenEvent]]:
+    async def stream_batches(self, request_id: int, whole: bool = False) -> AsyncIterator[list[OutputEvent]]:
         """The request's events as they arrived, a list per wake-up, the last ending with the terminal
-        event. `whole` (a response sent whole): after the first tokens, the rest come HELD_TOKENS or
-        more at a time (channels.resting). Leaving early cancels the request."""
+        event. `whole`: after the first tokens, the rest come HELD_TOKENS or more at a time, a TokenRun
+        per read unless it asked for logprobs (channels.resting). Leaving early cancels the request."""
         pending = self._by_id.get(request_id)
         if pending is None:
             raise KeyError(f"unknown or already finished request id {request_id}")
         self._whole[pending.slot] = whole
+        pending.runs = whole and pending.logprobs is None
         finished = False
         try:
             while True:

@@ -135,3 +135,22 @@ class TokenEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [] if self.token_id is None else [self.token_id]
+
+
+@dataclass(slots=True)
+class TokenRun:
+    """Tokens of one request read together, none of them its last, without logprobs: what a
+    response sent whole gets instead of an event per token (a batch job's thousands of tokens a
+    second would otherwise cost the front end an object each)."""
+
+    request_id: int
+    token_ids: list[int]
+    timestamps_ns: list[int]
+    finished = False
+
+
+OutputEvent = TokenEvent | TokenRun  # what a request's stream carries

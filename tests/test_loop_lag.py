@@ -1,0 +1,63 @@
+"""The front end's loop-lag meter (frontend/loop_lag.py): a callback that holds the event loop shows
+as a late beat, and with a stacks file, as that callback's stack and its slow task step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from blink_appliance.frontend.loop_lag import LoopLag
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # what a long callback does to every other task
+
+
+async def _until(check, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_held_loop_shows_as_a_late_beat_and_small_waits_do_not() -> None:
+    lags: list[float] = []
+    lag = LoopLag(lags.append)
+    lag.start()
+    try:
+        await _until(lambda: len(lags) >= 5, "beats")
+        assert max(lags) < 0.05  # an idle loop runs its beats (nearly) on time
+        _hold_the_loop(0.08)
+        await _until(lambda: max(lags) >= 0.05, "a late beat")
+    finally:
+        lag.stop()
+
+
+async def test_the_stall_watcher_names_what_held_the_loop(tmp_path: Path) -> None:
+    path = tmp_path / "stalls.json"
+    lag = LoopLag(lambda _: None, stacks_file=path)
+    lag.start()
+
+    async def busy_step() -> None:
+        _hold_the_loop(0.06)
+        await asyncio.sleep(0)
+
+    def seen() -> bool:
+        if not path.exists():
+            return False
+        record = json.loads(path.read_text())
+        return any("_hold_the_loop" in key for key in record["stacks"]) and any(
+            "busy_step" in key for key in record["slow_callbacks"]
+        )
+
+    try:
+        task = asyncio.create_task(busy_step())
+        await task
+        await _until(seen, "the held loop's stack and step in the stacks file")
+    finally:
+        lag.stop()
+    record = json.loads(path.read_text())
+    count, seconds, longest = next(v for k, v in record["slow_callbacks"].items() if "busy_step" in k)
+    assert count == 1 and seconds >= 0.05 and longest >= 0.05
