@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import multiprocessing
+import os
 import random
 import shutil
 import subprocess
@@ -33,7 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.frontend_load import child_pid, cpu_s, folded_summary  # noqa: E402
+from blink_appliance.frontend.loop_lag import STACK_ENV  # noqa: E402
+
+from bench.frontend_load import TICKS, child_pid, cpu_s, folded_summary  # noqa: E402
 from bench.http_sweep import (  # noqa: E402
     MODEL_NAME,
     Geometry,
@@ -86,6 +91,94 @@ def gc_pauses(url: str) -> dict[str, float]:
     return out
 
 
+def scheduling(pid: int | None) -> dict[str, float]:
+    """What the OS did to the front end's event-loop thread (its main thread) so far: seconds it
+    waited runnable for a CPU (/proc/<pid>/schedstat), its involuntary context switches, and the
+    cgroup's CPU throttling (cpu.stat) and the CPUs' steal time, if the kernel shows them."""
+    out: dict[str, float] = {}
+    if pid is not None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out["runqueue_wait_s"] = int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("nonvoluntary_ctxt_switches"):
+                    out["involuntary_switches"] = int(line.split()[1])
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        # The host's time taken from this machine's CPUs (a VM's steal), summed over them.
+        ticks = Path("/proc/stat").read_text().splitlines()[0].split()
+        out["steal_s"] = int(ticks[8]) / TICKS
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/sys/fs/cgroup/cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("nr_throttled", "throttled_usec"):
+                out[f"cgroup_{key}"] = int(value)
+    return out
+
+
+def histograms(url: str) -> dict[str, dict[str, float]]:
+    """The front end's histograms a phase reports, so far: the event-loop lag
+    (blink_frontend_loop_lag_seconds) and the LS class's (priority 0) time to first token in
+    parts (blink_first_token_part_seconds): for each, how many, and how many over each bound."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("blink_frontend_loop_lag_seconds", "blink_first_token_part_seconds"):
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            if labels.get("priority", "0") != "0":
+                continue
+            name = "loop_lag" if "part" not in labels else f"ls_ttft_{labels['part']}"
+            entry = out.setdefault(name, {})
+            if sample.name.endswith("_count"):
+                entry["count"] = sample.value
+            elif sample.name.endswith("_bucket") and labels["le"] != "+Inf":
+                entry[f"le_{float(labels['le']) * 1e3:g}ms"] = sample.value
+    for entry in out.values():  # bucket counts -> how many were over each bound
+        for key in [k for k in entry if k.startswith("le_")]:
+            entry[f"over_{key[3:]}"] = entry.get("count", 0.0) - entry.pop(key)
+    return out
+
+
+def since(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """What `histograms` counted between two readings."""
+    return {
+        name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in entry.items()}
+        for name, entry in after.items()
+    }
+
+
+def stall_record() -> dict[str, Any]:
+    """What the front end's stall watcher has counted so far (empty when not asked for)."""
+    path = os.environ.get(STACK_ENV)
+    try:
+        return json.loads(Path(path).read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def stalls_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The stall stacks and slow callbacks counted between two stall records, the largest first."""
+    stacks = collections.Counter(after.get("stacks", {})) - collections.Counter(before.get("stacks", {}))
+    slow = {}
+    for key, (n, total, longest) in after.get("slow_callbacks", {}).items():
+        n0, total0, _ = before.get("slow_callbacks", {}).get(key, (0, 0.0, 0.0))
+        if n > n0:
+            slow[key] = {
+                "count": n - n0,
+                "seconds": round(total - total0, 4),
+                "longest_ms": round(longest * 1e3, 1),
+            }
+    top = sorted(slow.items(), key=lambda kv: -kv[1]["seconds"])[:15]
+    return {"stacks": dict(stacks.most_common(15)), "slow_callbacks": dict(top)}
+
+
 def prompt(args: argparse.Namespace, rng: random.Random, output_len: int) -> BenchRequest:
     return BenchRequest(
         [rng.randrange(3, args.vocab) for _ in range(args.input_len)], args.input_len, output_len
@@ -109,6 +202,7 @@ async def ls_phase(url: str, args: argparse.Namespace) -> tuple[dict[str, Any], 
         "ttft_p50_ms": ms(ttfts, 50), "ttft_p99_ms": ms(ttfts, 99),
         "tpot_p50_ms": ms(tpots, 50), "tpot_p99_ms": ms(tpots, 99),
         "ttft_slowest_ms": [round(t * 1e3, 1) for t in sorted(ttfts)[-5:]],
+        "errors": sorted({r.error for r in run.records if r.error})[:3],
     }  # fmt: skip
     return out, sum(r.output_tokens for r in done)
 
@@ -167,6 +261,17 @@ async def health_latency(url: str, stop: asyncio.Event, every_s: float = 0.02) -
     return took
 
 
+async def client_lag(stop: asyncio.Event, every_s: float = 0.002) -> dict[str, int]:
+    """How late this process's event loop (the LS clients' and the /health probe's) ran a timer due
+    every `every_s`, until `stop`: a client-side delay counts in the TTFT this bench measures."""
+    late: list[float] = []
+    while not stop.is_set():
+        due = time.perf_counter() + every_s
+        await asyncio.sleep(every_s)
+        late.append(time.perf_counter() - due)
+    return {"beats": len(late), **{f"over_{b}ms": sum(x > b / 1e3 for x in late) for b in (5, 10, 20)}}
+
+
 async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     be_priority = {"priority": 1, "fcfs": 0, "be_alone": 1}.get(name)
     spawn = multiprocessing.get_context("spawn")
@@ -180,6 +285,7 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     cpu0 = cpu_s(frontend) if frontend else 0.0
     probe_stop = asyncio.Event()
     probe = asyncio.create_task(health_latency(url, probe_stop))
+    own_lag = asyncio.create_task(client_lag(probe_stop)) if args.client_lag else None
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     folded = args.out.parent / f"{args.out.stem}-{name}.folded"
     sampler = None
@@ -190,6 +296,9 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
         )  # fmt: skip
     tokens0, t0 = await asyncio.to_thread(generated_tokens, url), time.monotonic()
     gc0 = await asyncio.to_thread(gc_pauses, url)
+    sched0 = scheduling(frontend)
+    hist0 = await asyncio.to_thread(histograms, url)
+    stalls0 = stall_record()
     if name == "be_alone":
         await asyncio.sleep(args.seconds)
         result, ls_tokens = {}, 0
@@ -198,11 +307,20 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     tokens1, seconds = await asyncio.to_thread(generated_tokens, url), time.monotonic() - t0
     probe_stop.set()
     health = await probe
+    if own_lag is not None:
+        result["client_loop_lag"] = await own_lag
     # The one front end carries every stream: its CPU and how late it answers /health.
     result["frontend_cpu_share"] = round((cpu_s(frontend) - cpu0) / seconds, 3) if frontend else None
     result["health_p50_ms"], result["health_p99_ms"] = ms(health, 50), ms(health, 99)
     gc1 = await asyncio.to_thread(gc_pauses, url)
     result["frontend_gc"] = {k: round(v - gc0.get(k, 0.0), 4) for k, v in sorted(gc1.items())}
+    result.update(since(hist0, await asyncio.to_thread(histograms, url)))
+    result["frontend_scheduling"] = {
+        k: round(v - sched0.get(k, 0), 4) for k, v in scheduling(frontend).items()
+    }
+    if STACK_ENV in os.environ:
+        await asyncio.sleep(1.2)  # the watcher rewrites its file once a second
+        result["stalls"] = stalls_since(stalls0, stall_record())
     if sampler is not None:
         await asyncio.to_thread(sampler.wait, args.seconds + 60)
         if folded.exists():
@@ -242,6 +360,14 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-frontend", action="store_true", help="sample the front end with py-spy")
+    ap.add_argument(
+        "--client-lag", action="store_true",
+        help="time this process's own event loop with a 2 ms timer (it also wakes the process that often)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--stall-stacks", action="store_true",
+        help="count the front end's stacks while its event loop is late (frontend/loop_lag.py)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = model_defaults(ap.parse_args())
     args.engine_lines = [f"priority_aging_steps = {args.aging_steps}"]
@@ -255,6 +381,8 @@ def main() -> None:
         "phases": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.stall_stacks:
+        os.environ[STACK_ENV] = str(args.out.parent / f"{args.out.stem}-stalls.json")
     server, report["profile"] = appliance_server(geo, args, args.out.parent / f"{args.out.stem}.log")
     try:
         server.start(args.startup_timeout)
