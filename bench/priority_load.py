@@ -202,6 +202,10 @@ async def ls_phase(url: str, args: argparse.Namespace) -> tuple[dict[str, Any], 
         "ttft_p50_ms": ms(ttfts, 50), "ttft_p99_ms": ms(ttfts, 99),
         "tpot_p50_ms": ms(tpots, 50), "tpot_p99_ms": ms(tpots, 99),
         "ttft_slowest_ms": [round(t * 1e3, 1) for t in sorted(ttfts)[-5:]],
+        # Of those, the part before the stream's headers came (sent, parsed, prepared, submitted).
+        "ttft_slowest_to_headers_ms": [
+            round((r.headers_s - r.start_s) * 1e3, 1) for r in sorted(done, key=lambda r: r.ttft_s or 0)[-5:]
+        ],
         "errors": sorted({r.error for r in run.records if r.error})[:3],
     }  # fmt: skip
     return out, sum(r.output_tokens for r in done)

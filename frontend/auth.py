@@ -4,7 +4,7 @@
 /health and /metrics stay open so load balancers and Prometheus need no secret (they reveal no
 request content). A key may carry a priority class (`[frontend] api_keys` tables): the middleware
 leaves the class of the key a request came with under `request[KEY_PRIORITY]` (None: no class), and
-the completion service turns it into the request's priority (completion_service.effective_priority).
+the completion service turns it into the request's priority (prepared.effective_priority).
 """
 
 from __future__ import annotations

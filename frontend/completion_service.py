@@ -14,13 +14,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from blink_appliance.frontend.errors import APIError, bad_request, service_unavailable
 from blink_appliance.frontend.logprobs import ChoiceLogprobs, LogprobEntry, TokenStrings
 from blink_appliance.frontend.metrics import ServingMetrics
 from blink_appliance.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from blink_appliance.frontend.prepared import Prepared, effective_priority
 from blink_appliance.frontend.stop_strings import StopStringMatcher
 from blink_appliance.frontend.tool_calls import tool_mode
 from blink_appliance.frontend.turns import Turns
@@ -74,45 +75,9 @@ class ServiceLimits:
     logprobs_refusal: str | None = None
     # Why it cannot follow a structured-output constraint (None: CompletionService.constraints does).
     constraint_refusal: str | None = None
-    # The engine caches prefixes: n > 1 choices submit the first alone, the rest once it is computed.
+    # The engine caches prompt prefixes (the ring carries block hashes): n > 1 choices then submit
+    # the first one alone and the rest once its prompt is computed, so they share its KV blocks.
     shares_prefixes: bool = False
-
-
-def effective_priority(base: int, requested: int | None) -> int:
-    """The priority a request runs at: its base (the key's class, else the model's), or what it
-    asks for when that is lower (a larger number): a request never raises itself above its base."""
-    return base if requested is None else max(base, requested)
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready to submit."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_strings: list[str]
-    stream: bool
-    include_usage: bool
-    priority: int = 0  # effective: lower runs first (effective_priority)
-    completion_tokens: int = 0
-    top_n: int | None = None  # logprobs: alternatives per position (None: no logprobs)
-    echo: str | None = None  # the prompt's text, sent before the completion (completions' echo)
-    score_only: bool = False  # max_tokens 0 with echo: the one token generated is not returned
-    tool_mode: Any = None  # chat with tools: how the reply becomes a tool call (frontend/tool_calls.py)
-    arrived_ns: int = 0  # when its HTTP handler began, and when it went to the engine (monotonic ns)
-    submitted_ns: int = 0
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    def choice(self, index: int) -> Prepared:
-        """Choice `index` of an n > 1 request: the same request on its own seed stream (seed + index
-        when seeded, as vLLM's; else the engine draws one), counting its own tokens."""
-        seed = self.params.seed
-        params = replace(self.params, seed=None if seed is None else (seed + index) % 2**63)
-        return replace(self, params=params, completion_tokens=0)
 
 
 @dataclass(frozen=True)

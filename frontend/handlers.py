@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 from blink_appliance.frontend.auth import KEY_PRIORITY
-from blink_appliance.frontend.completion_service import CompletionService, EngineFailure, Piece, Prepared
+from blink_appliance.frontend.completion_service import CompletionService, EngineFailure, Piece
 from blink_appliance.frontend.errors import APIError, bad_request
 from blink_appliance.frontend.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
 from blink_appliance.frontend.metrics import CONTENT_TYPE
@@ -30,6 +30,7 @@ from blink_appliance.frontend.openai_schema import (
     parse_request,
     usage,
 )
+from blink_appliance.frontend.prepared import Prepared
 from blink_appliance.frontend.tool_calls import ToolCallReplies
 
 log = logging.getLogger(__name__)

@@ -74,6 +74,7 @@ class RequestRecord:
     input_len_expected: int | None
     scheduled_s: float = 0.0  # when the arrival schedule released it
     start_s: float = 0.0  # when it was sent (after waiting for a concurrency slot)
+    headers_s: float = 0.0  # when the response's status and headers arrived (a stream's: once admitted)
     end_s: float = 0.0
     chunk_times_s: list[float] = field(default_factory=list)  # each SSE chunk carrying output text
     ok: bool = False
@@ -206,6 +207,7 @@ async def send_one(
     done = False
     try:
         async with session.post(config.url, json=body) as resp:
+            record.headers_s = clock() - t0
             record.http_status = resp.status
             if resp.status != 200:
                 record.error = _error_text(resp.status, await resp.text())
