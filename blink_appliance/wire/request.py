@@ -114,7 +114,9 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
+# Slotted, not frozen: a stream makes one per token, and a frozen dataclass's __init__ (a setattr
+# call per field) took about four times as long (3.1 against 0.8 us on the CPU rig).
+@dataclass(slots=True)
 class TokenEvent:
     """One output of an engine step for one request.
 
