@@ -67,30 +67,6 @@ def generated_tokens(url: str) -> int:
     return int(engine_telemetry(url)["generated_tokens"])
 
 
-def gc_pauses(url: str) -> dict[str, float]:
-    """The front end's garbage-collection pauses so far (blink_frontend_gc_pause_seconds), per
-    generation: how many, their total seconds, and how many took over 10 ms."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "blink_frontend_gc_pause_seconds":
-            continue
-        for sample in family.samples:
-            gen = f"gen{sample.labels['generation']}"
-            over = out.get(f"{gen}_over_10ms", 0.0)
-            if sample.name.endswith("_count"):
-                out[f"{gen}_count"], out[f"{gen}_over_10ms"] = sample.value, over + sample.value
-            elif sample.name.endswith("_sum"):
-                out[f"{gen}_s"] = sample.value
-            elif sample.labels.get("le") == "0.01":
-                out[f"{gen}_over_10ms"] = over - sample.value
-    return out
-
-
 def scheduling(pid: int | None) -> dict[str, float]:
     """What the OS did to the front end's event-loop thread (its main thread) so far: seconds it
     waited runnable for a CPU (/proc/<pid>/schedstat), its involuntary context switches, and the
@@ -115,10 +91,18 @@ def scheduling(pid: int | None) -> dict[str, float]:
     return out
 
 
+_HISTOGRAMS = {  # the front end's histograms a phase reports, by the name it reports them under
+    "blink_frontend_loop_lag_seconds": lambda labels: "loop_lag",
+    "blink_frontend_gc_pause_seconds": lambda labels: f"frontend_gc_gen{labels['generation']}",
+    "blink_first_token_part_seconds": lambda labels: f"ls_ttft_{labels['part']}",
+}
+
+
 def histograms(url: str) -> dict[str, dict[str, float]]:
-    """The front end's histograms a phase reports, so far: the event-loop lag
-    (blink_frontend_loop_lag_seconds) and the LS class's (priority 0) time to first token in
-    parts (blink_first_token_part_seconds): for each, how many, and how many over each bound."""
+    """The front end's histograms a phase reports, so far, from one read of /metrics: the
+    event-loop lag, the garbage-collection pauses per generation, and the LS class's (priority 0)
+    time to first token in parts. For each: how many, their total seconds, and how many went over
+    each bucket's bound."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -126,16 +110,18 @@ def histograms(url: str) -> dict[str, dict[str, float]]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name not in ("blink_frontend_loop_lag_seconds", "blink_first_token_part_seconds"):
+        name_of = _HISTOGRAMS.get(family.name)
+        if name_of is None:
             continue
         for sample in family.samples:
             labels = sample.labels
             if labels.get("priority", "0") != "0":
                 continue
-            name = "loop_lag" if "part" not in labels else f"ls_ttft_{labels['part']}"
-            entry = out.setdefault(name, {})
+            entry = out.setdefault(name_of(labels), {})
             if sample.name.endswith("_count"):
                 entry["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                entry["seconds"] = sample.value
             elif sample.name.endswith("_bucket") and labels["le"] != "+Inf":
                 entry[f"le_{float(labels['le']) * 1e3:g}ms"] = sample.value
     for entry in out.values():  # bucket counts -> how many were over each bound
@@ -299,7 +285,6 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
              "-o", str(folded), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
     tokens0, t0 = await asyncio.to_thread(generated_tokens, url), time.monotonic()
-    gc0 = await asyncio.to_thread(gc_pauses, url)
     sched0 = scheduling(frontend)
     hist0 = await asyncio.to_thread(histograms, url)
     stalls0 = stall_record()
@@ -316,8 +301,6 @@ async def phase(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     # The one front end carries every stream: its CPU and how late it answers /health.
     result["frontend_cpu_share"] = round((cpu_s(frontend) - cpu0) / seconds, 3) if frontend else None
     result["health_p50_ms"], result["health_p99_ms"] = ms(health, 50), ms(health, 99)
-    gc1 = await asyncio.to_thread(gc_pauses, url)
-    result["frontend_gc"] = {k: round(v - gc0.get(k, 0.0), 4) for k, v in sorted(gc1.items())}
     result.update(since(hist0, await asyncio.to_thread(histograms, url)))
     result["frontend_scheduling"] = {
         k: round(v - sched0.get(k, 0), 4) for k, v in scheduling(frontend).items()

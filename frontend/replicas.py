@@ -71,7 +71,7 @@ class ReplicaSet:
             # Closed with this stream: leaving early must cancel the request in its engine now.
             async with contextlib.aclosing(inner):
                 async for batch in inner:
-                    spent = min(placed.outstanding, sum(len(e.token_ids) for e in batch))
+                    spent = min(placed.outstanding, sum(e.num_tokens for e in batch))
                     placed.outstanding -= spent
                     self.outstanding[placed.replica] -= spent
                     yield batch

@@ -10,16 +10,11 @@ from pathlib import Path
 
 from blink_appliance.frontend.loop_lag import LoopLag
 
+from tests.ring_support import wait_until_async
+
 
 def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)  # what a long callback does to every other task
-
-
-async def _until(check, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_held_loop_shows_as_a_late_beat_and_small_waits_do_not() -> None:
@@ -27,10 +22,10 @@ async def test_a_held_loop_shows_as_a_late_beat_and_small_waits_do_not() -> None
     lag = LoopLag(lags.append)
     lag.start()
     try:
-        await _until(lambda: len(lags) >= 5, "beats")
+        await wait_until_async(lambda: len(lags) >= 5, "beats")
         assert max(lags) < 0.05  # an idle loop runs its beats (nearly) on time
         _hold_the_loop(0.08)
-        await _until(lambda: max(lags) >= 0.05, "a late beat")
+        await wait_until_async(lambda: max(lags) >= 0.05, "a late beat")
     finally:
         lag.stop()
 
@@ -55,7 +50,7 @@ async def test_the_stall_watcher_names_what_held_the_loop(tmp_path: Path) -> Non
     try:
         task = asyncio.create_task(busy_step())
         await task
-        await _until(seen, "the held loop's stack and step in the stacks file")
+        await wait_until_async(seen, "the held loop's stack and step in the stacks file", 20.0)
     finally:
         lag.stop()
     record = json.loads(path.read_text())

@@ -10,7 +10,7 @@ import pytest
 from blink_appliance.frontend.replicas import ReplicaSet
 
 from blink_appliance.wire.errors import EngineBusyError
-from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent
+from blink_appliance.wire.request import FinishReason, SamplingParams, TokenEvent, TokenRun
 from tests.ring_support import SMALL, CounterEngine, client_for, expected_token, server_thread, shm_region
 
 
@@ -52,6 +52,18 @@ class FakeClient:
 
 def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens)
+
+
+async def test_a_whole_responses_token_run_comes_off_its_replicas_count_token_by_token():
+    """A whole response's tokens come as one TokenRun: each of them still counts as done."""
+    a, b = FakeClient(), FakeClient()
+    replicas = ReplicaSet([a, b])
+    rid = await replicas.submit([1] * 4, params(100))  # a: 104
+    a.queues[101].put_nowait([TokenRun(101, [5, 6, 7], [1, 2, 3]), TokenEvent(101, 8)])
+    stream = replicas.stream_batches(rid, whole=True)
+    await anext(stream)
+    assert replicas.outstanding == [100, 0]
+    await stream.aclose()
 
 
 async def test_requests_go_to_the_replica_with_the_fewest_outstanding_tokens():

@@ -142,6 +142,10 @@ class TokenEvent:
     def token_ids(self) -> list[int]:
         return [] if self.token_id is None else [self.token_id]
 
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_id is not None)
+
 
 @dataclass(slots=True)
 class TokenRun:
@@ -153,6 +157,10 @@ class TokenRun:
     token_ids: list[int]
     timestamps_ns: list[int]
     finished = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 OutputEvent = TokenEvent | TokenRun  # what a request's stream carries
