@@ -196,3 +196,46 @@ def test_skinny_gemm_accumulate_refuses_a_low_precision_stream():
         )
     with pytest.raises(ValueError, match="accumulate needs an fp32 out"):
         skinny_gemm(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, 8), accumulate=True)
+
+
+def test_prefetch_segments_follow_the_weight_layout():
+    """One L2 prefetch per contiguous run of a program's slice: per k for in-major storage (block_n
+    weights), per weight row for row-major (the first `prefetch` k), clamped to the slice."""
+    from blink_appliance.kernels.skinny_gemm import _prefetch_segments
+
+    w_kn = torch.zeros(2048, 3072, dtype=torch.bfloat16)
+    assert _prefetch_segments(w_kn.t(), 256, 64, 512) == (256, 128, True)
+    assert _prefetch_segments(w_kn.t(), 4096, 64, 512) == (512, 128, True)
+    assert _prefetch_segments(w_kn.t(), 0, 64, 512) == (0, 0, False)
+    w_nk = torch.zeros(3072, 2048, dtype=torch.bfloat16)
+    assert _prefetch_segments(w_nk, 256, 64, 512) == (64, 512, False)
+    with pytest.raises(ValueError, match="power-of-two"):
+        _prefetch_segments(w_kn.t(), 384, 64, 512)
+    with pytest.raises(ValueError, match="16-byte"):
+        _prefetch_segments(w_nk, 4, 64, 512)
+
+
+@pytest.mark.skipif(not GPU, reason="the L2 prefetch is sm_90 inline PTX, issued only with PDL on a GPU")
+@pytest.mark.parametrize("layout", ["in_major", "row_major", "gated"])
+def test_skinny_gemm_prefetch_and_late_trigger_keep_the_product(layout):
+    """The prefetch reads the weights early and the late trigger moves the next launch: neither may
+    change the product (in-major and row-major slices, split K, the gated gate+up weight)."""
+    M, N, K = 4, 3072, 2048
+    x = torch.randn(M, K, device=DEVICE).to(torch.bfloat16)
+    gated = layout == "gated"
+    w = (0.05 * torch.randn(2 * N if gated else N, K, device=DEVICE)).to(torch.bfloat16)
+    if layout != "row_major":
+        w = w.t().contiguous().t()
+    kw = dict(block_n=64, block_k=64, pdl=True)
+    if gated:
+        want = torch.full((M, N), float("nan"), dtype=x.dtype, device=DEVICE)
+        skinny_gemm(x, w, want, gated=True, **kw)
+        got = torch.full_like(want, float("nan"))
+        skinny_gemm(x, w, got, gated=True, prefetch=256, late_trigger=True, **kw)
+    else:
+        want = torch.full((4 * M * N,), float("nan"), device=DEVICE)
+        skinny_gemm(x, w, want, split_k=4, **kw)
+        got = torch.full_like(want, float("nan"))
+        skinny_gemm(x, w, got, split_k=4, prefetch=256, late_trigger=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
