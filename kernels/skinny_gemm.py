@@ -35,20 +35,6 @@ MAX_ROWS = 256  # every row sits in one token tile (BLOCK_T), so the weights are
 
 
 @triton.jit
-def _prefetch_l2(addresses, nbytes: tl.constexpr):
-    """Bulk-prefetch nbytes from each (16-byte aligned) address into L2: sm_90's cp.async.bulk, which
-    takes no registers and is not waited for."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-        "=r,l,r",
-        [addresses, tl.full(addresses.shape, nbytes, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -71,10 +57,6 @@ def _skinny_gemm_kernel(
     GATED: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    PF_COUNT: tl.constexpr = 0,
-    PF_BYTES: tl.constexpr = 0,
-    PF_ALONG_K: tl.constexpr = False,
-    LATE_TRIGGER: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,19 +69,9 @@ def _skinny_gemm_kernel(
     acc_up = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride_n
     up_rows = w_rows + N * w_stride_n  # GATED: the up half of the fused gate+up weight
-    if PF_COUNT > 0:  # the weights do not depend on the kernel before: start streaming them now
-        j = tl.arange(0, PF_COUNT)
-        if PF_ALONG_K:  # in-major weights: one segment per k (its BLOCK_N weights are contiguous)
-            seg = w_ptr + pid_n * BLOCK_N * w_stride_n + (k_lo + j).to(tl.int64) * w_stride_k
-        else:  # row-major weights: one segment per weight row, from the slice's first k
-            seg = w_ptr + (pid_n * BLOCK_N + j).to(tl.int64) * w_stride_n + k_lo * w_stride_k
-        _prefetch_l2(seg, PF_BYTES)
-        if GATED:
-            _prefetch_l2(seg + N * w_stride_n, PF_BYTES)
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         x_off = x_ptr + t[None, :] * x_stride + k[:, None]
@@ -124,8 +96,6 @@ def _skinny_gemm_kernel(
         acc = tl.dot(w, x, acc, input_precision=DOT_PRECISION)
         if GATED:
             acc_up = tl.dot(w_up, x, acc_up, input_precision=DOT_PRECISION)
-    if USE_PDL and LATE_TRIGGER:  # the next kernel's early weight loads would not outlive this stream
-        tl.extra.cuda.gdc_launch_dependents()
     mask = (t[None, :] < M) & (n[:, None] < N)
     if GATED:  # out = silu(gate) * up, rounded where silu_and_mul rounds (gate, up, silu(gate))
         out_ty = out_ptr.dtype.element_ty
@@ -170,26 +140,6 @@ def pipeline_stages(num_stages: int, per_stage_bytes: int) -> int:
     return max(1, min(num_stages, fit))
 
 
-def _prefetch_segments(w: torch.Tensor, prefetch: int, block_n: int, k_per_split: int) -> tuple[int, int, bool]:
-    """A program's L2 prefetch as (segments, bytes per segment, one segment per k): the first
-    `prefetch` k of its [block_n, k_per_split] weight slice, in contiguous runs of the weight."""
-    if prefetch <= 0:
-        return 0, 0, False
-    elem = w.element_size()
-    if w.data_ptr() % 16:
-        raise ValueError("skinny_gemm: prefetch needs 16-byte aligned weights")
-    k = min(prefetch, k_per_split)
-    if w.stride(0) == 1:  # in-major: [K, N] storage, a k's block_n weights are one run
-        if k & (k - 1) or (w.stride(1) * elem) % 16 or (block_n * elem) % 16:
-            raise ValueError(f"skinny_gemm: in-major prefetch needs a power-of-two k ({k}) and 16-byte runs")
-        return k, block_n * elem, True
-    if w.stride(1) == 1:  # row-major: a weight row's k slice is one run
-        if (k * elem) % 16 or (w.stride(0) * elem) % 16 or (k_per_split * elem) % 16:
-            raise ValueError(f"skinny_gemm: row-major prefetch needs k ({k}) and rows in 16-byte runs")
-        return block_n, k * elem, False
-    raise ValueError("skinny_gemm: prefetch needs weights contiguous along N or K")
-
-
 def skinny_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -203,8 +153,6 @@ def skinny_gemm(
     gated: bool = False,
     accumulate: bool = False,
     pdl: bool = False,
-    prefetch: int = 0,
-    late_trigger: bool = False,
 ) -> torch.Tensor:
     """x: [M, K] (M <= 256, padded to a power of two >= 16 in the MMA), or [M, 2K] gate|up with
     silu_gate; w: [N, K] (any strides: row-major, or the transposed view of a [K, N] matrix); out:
@@ -215,12 +163,7 @@ def skinny_gemm(
     accumulate: out is an fp32 [M, N] sum that the product is added to (out += x @ w^T); with split_k > 1
     each slice adds its part with fp32 atomics, so there are no partials, and the order of the adds (the
     last bits of the sum) varies from run to run.
-    pdl: launch as a programmatic dependent (sm_90+; waits for the kernel before prior to reading x).
-    prefetch: with pdl, each program first bulk-prefetches the first `prefetch` k of its weight slice
-    into L2 (a power of two for in-major weights, a multiple of 8 for row-major), so the weight stream
-    starts while the kernel before still runs; whole tiles only (N and K divide), else no prefetch.
-    late_trigger: with pdl, let the next kernel launch only once this one's weight loop is done (its
-    own early loads would otherwise be evicted by this kernel's stream)."""
+    pdl: launch as a programmatic dependent (sm_90+; waits for the kernel before prior to reading x)."""
     M, K = x.shape
     if silu_gate:
         K //= 2
@@ -246,14 +189,12 @@ def skinny_gemm(
     even = N % block_n == 0 and K % k_per_split == 0
     block_t = max(16, triton.next_power_of_2(M))
     w_tiles = 2 if gated else 1
-    pf_count, pf_bytes, pf_along_k = _prefetch_segments(w, prefetch if pdl and even else 0, block_n, k_per_split)
     stage_bytes = (w_tiles * block_n * block_k + block_k * block_t) * x.element_size()
     _skinny_gemm_kernel[(triton.cdiv(N, block_n), split_k)](
         x, w, out, M, N, K, x.stride(0), w.stride(0), w.stride(1), N if partials else out.stride(0),
         k_per_split, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_GATE=silu_gate, EVEN=even,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated, ACCUMULATE=accumulate, USE_PDL=pdl,
-        PF_COUNT=pf_count, PF_BYTES=pf_bytes, PF_ALONG_K=pf_along_k, LATE_TRIGGER=pdl and late_trigger,
         num_stages=pipeline_stages(num_stages, stage_bytes), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -67,11 +67,6 @@ class GemmLaunch:
     # O and down only: add the product into the fp32 residual stream (split-K slices with atomics), so
     # there are no partials and the norm after it only reads the stream; fp32 adds in varying order.
     accumulate: bool = False
-    # With PDL: bulk-prefetch the first `prefetch` k of each program's weight slice into L2 before
-    # waiting for the kernel before (kernels/skinny_gemm.py), and (late_trigger) launch the next
-    # kernel only after this one's weight loop.
-    prefetch: int = 0
-    late_trigger: bool = False
 
     def kernel_args(self) -> dict:
         """The launch shape as skinny_gemm's keyword arguments."""
