@@ -46,6 +46,7 @@ import triton  # noqa: E402
 
 from bench.loop_rig import LoopRig  # noqa: E402
 from blink_appliance.engine.loop.geometry import loop_geometry  # noqa: E402
+from blink_appliance.engine.loop.scheduler import PHASE_NAMES  # noqa: E402
 from blink_appliance.engine.loop.step import LoopStep  # noqa: E402
 from blink_appliance.engine.plan import resolve_plan  # noqa: E402
 from blink_appliance.model.loaders import load_checkpoint  # noqa: E402
@@ -130,6 +131,7 @@ def timed_step(step: LoopStep, clock: Clock) -> dict:
     clock.mark()
     clock.sync()
     index, variant = int(step.state.bucket_index[0]), int(step.state.sampler_index[0])
+    phases = step.scheduler.phase_us() if step.scheduler.stamping else None
     ran = 0 <= index < len(step.geometry.buckets)
     clock.start()
     if ran:
@@ -144,7 +146,9 @@ def timed_step(step: LoopStep, clock: Clock) -> dict:
     clock.sync()
     times = dict(zip(PIECES, (clock.ms(0, 1), clock.ms(2, 3), clock.ms(3, 4), clock.ms(4, 5)), strict=True))
     bucket = step.geometry.buckets[index] if ran else 0
-    return times | {"bucket": bucket, "sampler": variant, "tokens": int(step.state.step_num_tokens[0])}
+    return times | {
+        "bucket": bucket, "sampler": variant, "tokens": int(step.state.step_num_tokens[0]), "phases": phases,
+    }  # fmt: skip
 
 
 def top_kernels(step: LoopStep, steps: int, n: int) -> list[dict]:
@@ -248,6 +252,10 @@ async def host_case(rig: LoopRig, client: EngineClient, clock: Clock, case: Case
         if not case.sampled and any(r.top and r.top[0][0] != r.token_id for r in rows):
             raise RuntimeError(f"{case.name}: a greedy token is not the most likely one of its row")
     median = {p: statistics.median(t[p] for t in timings) for p in PIECES}
+    phases = None
+    if timings[0]["phases"] is not None:  # --schedule-phases: each phase's median, in schedule order
+        phases = {name: round(statistics.median(t["phases"][i] for t in timings), 2)
+                  for i, name in enumerate(PHASE_NAMES)}  # fmt: skip
     return {
         "case": case.name, "batch": case.batch, "sampled": case.sampled, "logprobs": case.logprobs,
         "median_ms": median | {"total": statistics.median(sum(t[p] for p in PIECES) for t in timings)},
@@ -257,7 +265,7 @@ async def host_case(rig: LoopRig, client: EngineClient, clock: Clock, case: Case
         | {"total": statistics.median(sum(t[p] for p in PIECES) for t in prefill)} if prefill else None,
         "buckets": sorted({t["bucket"] for t in timings}), "samplers": sorted({t["sampler"] for t in timings}),
         "steps_not_pure_decode": sum(t["tokens"] != case.batch for t in timings),
-        "uncovered_spans": clock.uncovered, "host_step_wall_ms": wall_ms, "top_kernels": kernels, "check": check,
+        "schedule_phases_us": phases, "uncovered_spans": clock.uncovered, "host_step_wall_ms": wall_ms, "top_kernels": kernels, "check": check,
     }  # fmt: skip
 
 
@@ -326,6 +334,8 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
             for w in args.schedule_warps or [rig.step.scheduler.num_warps]
             for r in args.rejection_rounds or [rig.step.sampler.rejection_rounds]
         ]
+        if args.schedule_phases:
+            rig.step.scheduler.stamp_phases()
         for warps, rounds in knobs:
             rig.step.scheduler.num_warps, rig.step.sampler.rejection_rounds = warps, rounds
             for case in cases:
@@ -333,6 +343,10 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
                 out["cases"].append(result | {"schedule_warps": warps, "rejection_rounds": rounds})
                 print(f"[{spec}] {case.name} w{warps} r{rounds} at {time.monotonic() - t0:.0f} s: "
                       f"{json.dumps(result['median_ms'])}")  # fmt: skip
+                if result["schedule_phases_us"]:
+                    print(
+                        f"[{spec}] {case.name} schedule phases, us: {json.dumps(result['schedule_phases_us'])}"
+                    )
         if in_loop:
             rig.loop.launch()
             for case, result in zip(cases, out["cases"], strict=False):
@@ -414,6 +428,10 @@ def arguments() -> argparse.Namespace:
         "--logprobs", nargs="*", type=int, default=[], help="also each case with logprobs=N on every row"
     )
     ap.add_argument("--penalties", action="store_true", help="also greedy cases with penalties on every row")
+    ap.add_argument(
+        "--schedule-phases", action="store_true",
+        help="host-driven cases stamp each schedule phase (a barrier each: schedule's own time grows)",
+    )  # fmt: skip
     ap.add_argument("--no-prefix-cache", action="store_true", help="[engine] prefix_cache = false")
     out = Path(os.environ["OUT"]) / "loop_profile.json" if os.environ.get("OUT") else None
     ap.add_argument("--out", type=Path, default=out, help="JSON report (default $OUT/loop_profile.json)")

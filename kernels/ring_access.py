@@ -16,15 +16,45 @@ import triton.language as tl
 
 
 @triton.jit
-def load_acquire(ptr, ON_GPU: tl.constexpr):
-    """Acquire-load of u64 words another process publishes with a release store: reads issued after
-    it (and, after a CTA barrier, every thread's reads) see the payload written before the word."""
+def snap_ring_word(src, dst, ON_GPU: tl.constexpr):
+    """dst (device memory) = the ring's u64 word at src (scalars), read by one thread: the ring is host
+    memory, and reads of one word from every warp of a program go over the bus one warp after another
+    (H100: about 2.4 us a warp for the schedule's two dependent rounds). The caller puts a CTA barrier
+    before anyone reads dst."""
     if ON_GPU:
-        return tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.u64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
-        )
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; .reg .b64 v; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p ld.volatile.global.u64 v, [$1]; @p st.global.u64 [$2], v; mov.u32 $0, 0; }",
+            "=r,l,l", [src, dst], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
     else:
-        return tl.load(ptr, volatile=True)
+        tl.store(dst, tl.load(src, volatile=True))
+
+
+@triton.jit
+def snap_seq_words(records, tail, dst, N: tl.constexpr, REQ_SLOTS: tl.constexpr, REC_BYTES: tl.constexpr,
+                   ON_GPU: tl.constexpr):  # fmt: skip
+    """dst[r] = the seq word (first u64) of the record at position tail + r, r < N, acquired: thread r of
+    the first warp loads record r, so the N acquires overlap (one thread's acquires would follow one
+    another over the bus, and every warp's reads of the ring go one warp after another). `records`
+    (u64 words) is the ring's record section, `dst` (u64, device memory) the snap; a CTA barrier comes
+    before anyone reads dst."""
+    tl.static_assert(N <= 32, "one record per thread of the first warp")
+    tl.static_assert(REC_BYTES % 8 == 0, "records are whole u64 words")
+    if ON_GPU:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; .reg .u64 i, a, v; mov.u32 t, %tid.x; setp.lt.u32 p, t, $4; "
+            "cvt.u64.u32 i, t; add.u64 i, i, $2; rem.u64 i, i, $5; mul.lo.u64 i, i, $6; add.u64 a, $1, i; "
+            "@p ld.acquire.sys.global.u64 v, [a]; "
+            "cvt.u64.u32 i, t; shl.b64 i, i, 3; add.u64 i, i, $3; @p st.global.u64 [i], v; mov.u32 $0, 0; }",
+            "=r,l,l,l,r,l,l",
+            [records.to(tl.int64), tail, dst.to(tl.int64), tl.full([], N, tl.int32), tl.full([], REQ_SLOTS, tl.int64),
+             tl.full([], REC_BYTES, tl.int64)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        offs = tl.arange(0, N)
+        tl.store(dst + offs, tl.load(records + ((tail + offs) % REQ_SLOTS) * (REC_BYTES // 8), volatile=True))
 
 
 @triton.jit
@@ -81,3 +111,19 @@ def now_ns(host_clock_ptr, clock_offset_ptr, ON_GPU: tl.constexpr):
         return t + tl.load(clock_offset_ptr)
     else:
         return tl.load(host_clock_ptr)
+
+
+@triton.jit
+def phase_stamp(stamps_ptr, i: tl.constexpr, STAMPS: tl.constexpr):
+    """With STAMPS (a GPU profile, never in serving): once every warp is here, stamps[i] = the SM's
+    cycle counter; stamps[0] also gets %globaltimer at 62 and the last stamp at 63, to convert cycles."""
+    if STAMPS:
+        tl.debug_barrier()
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        tl.store(stamps_ptr + i, t)
+        g = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        tl.store(stamps_ptr + 62 + (i > 0), g)

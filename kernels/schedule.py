@@ -50,7 +50,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 from blink_appliance.kernels.prefix_cache import BlockTensors, close_lru, open_lru, release_lanes
-from blink_appliance.kernels.ring_access import now_ns
+from blink_appliance.kernels.ring_access import now_ns, phase_stamp
 from blink_appliance.kernels.schedule_batch import build_batch
 from blink_appliance.kernels.schedule_records import read_ring_words, take_records
 from blink_appliance.kernels.schedule_step import counter_deltas, finish_step_tables, write_forward_inputs
@@ -154,6 +154,8 @@ def schedule_kernel(
     buckets_ptr, scratch_ptr, snap_ptr, engine_seed, bias_stage_ids_ptr, bias_stage_values_ptr,
     # the step's start time: %globaltimer + clock_offset_ns on the GPU, else the host clock (interpreter)
     step_start_ns_ptr, clock_offset_ns_ptr, host_clock_ns_ptr,
+    # bench/loop_profile.py --schedule-phases: a cycle stamp after each phase (STAMPS; GPU only)
+    stamps_ptr, STAMPS: tl.constexpr,
     # loop geometry
     D: tl.constexpr, S: tl.constexpr, MAX_BATCHED: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, VOCAB: tl.constexpr, NUM_COUNTERS: tl.constexpr,
@@ -192,6 +194,7 @@ def schedule_kernel(
         score_index_ptr, score_temperature_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, query_start_ptr,
         context_lens_ptr, block_tables_ptr, sample_rows_ptr, score_rows_ptr,
     )  # fmt: skip
+    phase_stamp(stamps_ptr, 0, STAMPS)
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < D
     offs_s = tl.arange(0, BLOCK_S)
@@ -212,6 +215,7 @@ def schedule_kernel(
         ring_ptr, snap_ptr, st, ch_d, md, OFF_RECORDS, REC_BYTES, REQ_SLOTS, OFF_CTL, MAX_INFLIGHT,
         BLOCK_R, BLOCK_D, SLOT, CONTROL, CHANNEL, ON_GPU,
     )  # fmt: skip
+    phase_stamp(stamps_ptr, 1, STAMPS)
 
     # What the step ends up with (the shutdown branch leaves them empty).
     nseq = tl.full([], 0, tl.int32)  # sequences in the batch
@@ -238,6 +242,7 @@ def schedule_kernel(
             st, top, lru_tail, n_cached, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr, slots, blocks,
             MAXB, BLOCK_D, BLOCK_J, Q, SLOT, FINISH,
         )  # fmt: skip
+        phase_stamp(stamps_ptr, 2, STAMPS)
 
         # 3. Records from the ring: the published run starting at req_tail, at most one per free slot.
         n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = _take_published(
@@ -246,6 +251,7 @@ def schedule_kernel(
             MAX_OUTPUT, MAX_STOP, AREAS, MAX_BIAS, BIAS_TILE, PBS, HSTRIDE, MAX_MODEL_LEN, VOCAB, BLOCK_D,
             BLOCK_R, BLOCK_STOP, BLOCK_P, SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
         )  # fmt: skip
+        phase_stamp(stamps_ptr, 3, STAMPS)
 
         # 4. The batch: the class cap (LIMIT) and best-effort turns (BE_BATCH) hold some running ones; the
         # others in (class, admission) order get their chunks (preempting the last ones when blocks run
@@ -255,7 +261,7 @@ def schedule_kernel(
                 st, md, top, lru_head, lru_tail, n_cached, next_run_order, clock, offs_s, scratch_ptr, free_blocks_ptr,
                 slots, blocks, step, S, MAX_BATCHED, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, BLOCK_RANK, AGING,
                 LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, BLOCK_SCORE, MAX_MODEL_LEN, SLOT, BE_BATCH,
-                BE_PRI,
+                BE_PRI, stamps_ptr, STAMPS,
             )
         )  # fmt: skip
 
@@ -264,6 +270,7 @@ def schedule_kernel(
         nseq, ntot, nsamp, sampler_index, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
         sampler_index_ptr, num_sample_rows_ptr, S, NUM_BUCKETS, BLOCK_S, BLOCK_S1, BLOCK_NB,
     )  # fmt: skip
+    phase_stamp(stamps_ptr, 10, STAMPS)
 
     # 6. The forward's token rows (bucket padding included) and block tables.
     tl.debug_barrier()  # step tables, block tables and prompt copies above are visible to every thread
@@ -272,6 +279,7 @@ def schedule_kernel(
             nseq, ntot, bucket, table_width, offs_s, slots, step,
             S, BS, MAXB, MAX_MODEL_LEN, BLOCK_S, BLOCK_T, BLOCK_C,
         )  # fmt: skip
+    phase_stamp(stamps_ptr, 11, STAMPS)
 
     # 7. Counters, active slots.
     delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried,
@@ -282,6 +290,7 @@ def schedule_kernel(
     tl.store(next_arrival_ptr, next_arrival)
     tl.store(next_run_order_ptr, next_run_order)
     tl.store(scratch_ptr + BLOCK_D + BLOCK_S, table_width)
+    phase_stamp(stamps_ptr, 12, STAMPS)
 
 
 @triton.jit

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from blink_appliance.kernels.prefix_cache import register_filled, release_lanes, take_blocks
+from blink_appliance.kernels.ring_access import phase_stamp
 from blink_appliance.kernels.schedule_admit import admit_waiting, either_sampler, write_sample_rows
 from blink_appliance.kernels.schedule_step import SAMPLER_SCORE, write_score_rows
 
@@ -34,7 +35,7 @@ def build_batch(
     AGING: tl.constexpr, LIMIT: tl.constexpr, SCORE: tl.constexpr, PBS: tl.constexpr, C: tl.constexpr,
     Q: tl.constexpr, HSTRIDE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HASH: tl.constexpr,
     BLOCK_SCORE: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, SLOT: tl.constexpr, BE_BATCH: tl.constexpr,
-    BE_PRI: tl.constexpr,
+    BE_PRI: tl.constexpr, stamps_ptr, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """The step's batch (Scheduler.schedule): the class cap's and the best-effort turns' hold, running slots in running order get
     their chunks, then waiting slots are admitted; slot state, step tables and sample rows written. Returns
@@ -43,21 +44,26 @@ def build_batch(
     m, ms, ks, ntok_k, ncomp_k, nb_k, rp_k = order_running(
         st, md, offs_s, scratch_ptr, slots, BLOCK_D, BLOCK_RANK, SLOT
     )
+    phase_stamp(stamps_ptr, 4, STAMPS)
     hold_k = hold_lower_classes(m, ms, rp_k, offs_s, LIMIT) | wait_turn(ms, rp_k, clock, BE_BATCH, BE_PRI)
     want_k, scoring = prompt_scorer(m, ks, ntok_k, ncomp_k, hold_k, offs_s, slots, SCORE, BLOCK_S)
+    phase_stamp(stamps_ptr, 5, STAMPS)
     n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted = fill_budget(
         top, head, tail, n_cached, m, ks, ntok_k, ncomp_k, want_k, hold_k, nb_k, offs_s, free_blocks_ptr, slots,
         blocks, MAX_BATCHED, BS, MAXB, BLOCK_S, BLOCK_J, C, Q, BLOCK_L,
     )  # fmt: skip
+    phase_stamp(stamps_ptr, 6, STAMPS)
     n_k, nb_k, pre_k, top, head, tail, n_cached, next_run_order, n_victims, new, n_queried, n_hit = admit_waiting(
         budget, top, head, tail, n_cached, next_run_order, st, md, m, n_preempted, clock, scoring,
         ms, ks, ntok_k, ncomp_k, n_k, nb_k, pre_k, rp_k, free_blocks_ptr, slots, blocks, step,
         S, BS, MAXB, BLOCK_D, BLOCK_S, BLOCK_J, AGING, LIMIT, SCORE, PBS, C, Q, HSTRIDE, BLOCK_L, BLOCK_HASH, SLOT,
     )  # fmt: skip
+    phase_stamp(stamps_ptr, 7, STAMPS)
     n_new, ntot_new, nsamp_new, sampler_new = new
     store_running(ms, ks, ncomp_k, n_k, nb_k, pre_k, clock, slots, SLOT)
     nseq, ntot, nsamp, sampler_index = write_running_batch(ks, ntok_k, ncomp_k, n_k, slots, step)
     sampler_index = either_sampler(sampler_index, sampler_new)
+    phase_stamp(stamps_ptr, 8, STAMPS)
     tl.debug_barrier()  # the step tables above are every thread's to read
     # The prompt positions the step scores: one sequence's at most (Scheduler phase 6).
     if write_score_rows(nseq + n_new, offs_s, slots, step, SCORE, MAX_MODEL_LEN, BLOCK_S, BLOCK_SCORE) > 0:
@@ -66,6 +72,7 @@ def build_batch(
         register_filled(nseq + n_new, step.step_slot, step.step_chunk, step.context_lens, slots.n_hashes,
                         slots.prefix_hash, slots.block_table, blocks, BS, MAXB, C, HSTRIDE, BLOCK_S,
                         BLOCK_HASH)  # fmt: skip
+    phase_stamp(stamps_ptr, 9, STAMPS)
     return (
         top,
         head,

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 from blink_appliance.kernels.constraint import check_constraint, copy_constraints
-from blink_appliance.kernels.ring_access import load_acquire, store_release
+from blink_appliance.kernels.ring_access import snap_ring_word, snap_seq_words, store_release
 
 # Record outcomes inside the kernel besides "admitted" (0) and an ErrorCode (> 0).
 _UNADDRESSABLE = tl.constexpr(-1)
@@ -72,23 +72,26 @@ def read_ring_words(
     words, positions and byte offsets of the records at req_tail, their seq words)."""
     ring_i64 = ring_ptr.to(tl.pointer_type(tl.int64))
     offs_d = tl.arange(0, BLOCK_D)
-    shutdown = tl.load(ring_i64 + CONTROL.shutdown // 8, volatile=True)
-    tail = tl.load(ring_i64 + CONTROL.req_tail // 8, volatile=True)
-    arena_tail = tl.load(ring_i64 + CONTROL.arena_tail // 8, volatile=True)
     live = md & ((st == SLOT.WAITING) | (st == SLOT.RUNNING))
     addressable = live & (ch_d >= 0) & (ch_d < MAX_INFLIGHT)
     cancel_word = tl.load(
         ring_i64 + (OFF_CTL + ch_d.to(tl.int64) * CHANNEL.ctl_bytes + CHANNEL.ctl_cancel) // 8,
         mask=addressable, other=0, volatile=True,
     )  # fmt: skip
+    # One value per word for every thread (kernels/schedule.py), each read by one thread
+    # (snap_ring_word): snap[0] shutdown, [2, +BLOCK_R) seq words, [2 + BLOCK_R, +BLOCK_D) cancel
+    # words of the live slots' channels, [at, at + 1] req_tail and arena_tail.
+    at = 2 + 3 * BLOCK_R + BLOCK_D  # after take_records' words
+    snap_ring_word(ring_i64 + CONTROL.shutdown // 8, snap_ptr, ON_GPU)
+    snap_ring_word(ring_i64 + CONTROL.req_tail // 8, snap_ptr + at, ON_GPU)
+    snap_ring_word(ring_i64 + CONTROL.arena_tail // 8, snap_ptr + at + 1, ON_GPU)
+    tl.debug_barrier()
+    tail = tl.load(snap_ptr + at, volatile=True)
+    arena_tail = tl.load(snap_ptr + at + 1, volatile=True)
     offs_r = tl.arange(0, BLOCK_R)
     position = tail + offs_r
     rec = OFF_RECORDS + (position % REQ_SLOTS) * REC_BYTES
-    seq_word = load_acquire(ring_i64 + rec // 8, ON_GPU)
-    # One value per word for every thread (kernels/schedule.py): snap[0] shutdown, [2, +BLOCK_R) seq
-    # words, [2 + BLOCK_R, +BLOCK_D) cancel words of the live slots' channels.
-    tl.store(snap_ptr, shutdown)
-    tl.store(snap_ptr + 2 + offs_r, seq_word)
+    snap_seq_words(ring_i64 + OFF_RECORDS // 8, tail, snap_ptr + 2, BLOCK_R, REQ_SLOTS, REC_BYTES, ON_GPU)
     tl.store(snap_ptr + 2 + BLOCK_R + offs_d, cancel_word, mask=addressable)  # only live slots matter
     tl.debug_barrier()
     shutdown = tl.load(snap_ptr, volatile=True)

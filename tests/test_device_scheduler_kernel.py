@@ -72,7 +72,8 @@ inputs = StepInputs.allocate(
 )
 sched = DeviceScheduler(LOOP, DeviceState.allocate(LOOP, "cpu"), ring, layout, inputs, 1)
 ptx = ptx_for_sm90(schedule_kernel, sched._args, sched._constants, num_warps=sched.num_warps)
-print("acquire", ptx.count("ld.acquire.sys.global.u64"), "release", ptx.count("st.release.sys.global.u64"),
+print("acquire", ptx.count("ld.acquire.sys.global.u64"), "predicated", ptx.count("@p ld.acquire.sys.global.u64"),
+      "release", ptx.count("st.release.sys.global.u64"),
       "local", ptx.count(".local"))
 """
 
@@ -135,8 +136,11 @@ def test_kernel_compiles_for_the_h100(lower_class_limit, best_effort_batch):
     ):
         pytest.skip(f"no CUDA compiler backend in this install: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    # One acquire (the records' seq words), two releases (req_tail, arena_tail), no register spills.
-    assert done.stdout.split() == ["acquire", "1", "release", "2", "local", "0"], done.stdout
+    # One acquire (the records' seq words), predicated to a thread per record (snap_seq_words), two
+    # releases (req_tail, arena_tail), no register spills.
+    assert done.stdout.split() == ["acquire", "1", "predicated", "1", "release", "2", "local", "0"], (
+        done.stdout
+    )
 
 
 def test_engine_seed_is_checked():

@@ -21,6 +21,22 @@ from blink_appliance.kernels.schedule import schedule_kernel
 from blink_appliance.model.step_inputs import StepInputs
 from blink_appliance.wire.ring_layout import RingLayout
 
+# The schedule's phases as kernels/schedule.py stamps them (`stamp_phases`), each named by what ends it.
+PHASE_NAMES = (
+    "ring words",
+    "cancels",
+    "records",
+    "order running",
+    "holds, scoring",
+    "budget fill",
+    "admission",
+    "running batch",
+    "score rows, registration",
+    "step tables",
+    "forward inputs",
+    "counters",
+)
+PHASES = len(PHASE_NAMES)
 RECORDS_PER_LAUNCH = 16  # request records one launch admits at most (more wait for the next one)
 PROMPT_TILE = 1024  # prompt tokens copied per load of the ring's arena
 TOKEN_TILE = 64  # forward rows written per tile
@@ -89,8 +105,10 @@ class DeviceScheduler:
         self.scratch[-1] = g.max_blocks_per_seq
         block_r = min(RECORDS_PER_LAUNCH, block_d)
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
-        self.snap = torch.zeros(2 + 3 * block_r + block_d, dtype=torch.int64, device=device)
+        self.snap = torch.zeros(4 + 3 * block_r + block_d, dtype=torch.int64, device=device)
         self.host_clock_ns = torch.zeros(1, dtype=torch.int64, device=device)  # the interpreter's clock
+        # Cycle stamps of the schedule's phases (`stamp_phases`; 62 and 63: the first and last in ns).
+        self.stamps = torch.zeros(64, dtype=torch.int64, device=device)
         # Each record's logit_bias, copied out of the ring once, checked and then moved into its slot.
         bias = max(rg.max_logit_bias, 1)
         self.bias_stage_ids = torch.zeros(block_r * bias, dtype=torch.int32, device=device)
@@ -101,7 +119,7 @@ class DeviceScheduler:
         self._args |= {f"{name}_ptr": getattr(inputs, name) for name in _INPUT_TENSORS}
         self._args |= dict(
             ring_ptr=ring, buckets_ptr=self.buckets, scratch_ptr=self.scratch, snap_ptr=self.snap,
-            host_clock_ns_ptr=self.host_clock_ns, engine_seed=engine_seed,
+            host_clock_ns_ptr=self.host_clock_ns, engine_seed=engine_seed, stamps_ptr=self.stamps,
             bias_stage_ids_ptr=self.bias_stage_ids, bias_stage_values_ptr=self.bias_stage_values,
         )  # fmt: skip
         record = kernel_args.request_fields(layout)  # raises if a field is not where or what the kernel reads
@@ -129,7 +147,7 @@ class DeviceScheduler:
             SLOT=kernel_args.SLOT_STATES, FINISH=kernel_args.FINISH_REASONS, ERROR=kernel_args.ERROR_CODES,
             COUNTER=kernel_args.SCHEDULE_COUNTERS, CONTROL=kernel_args.CONTROL_WORDS, RECORD=record,
             CHANNEL=kernel_args.CHANNEL_LAYOUT,
-            ON_GPU=on_gpu,
+            ON_GPU=on_gpu, STAMPS=False,
         )  # fmt: skip
         kernel_args.check_parameters(schedule_kernel, self._args, self._constants)
         # The step's start stamp: the device clock on the GPU; the host's, written here, when interpreted.
@@ -210,6 +228,24 @@ class DeviceScheduler:
             )
         if inputs.input_ids.device != device:
             raise ValueError(f"StepInputs are on {inputs.input_ids.device}, the loop state on {device}")
+
+    def stamp_phases(self) -> None:
+        """From the next launch on, stamp each phase's end in `stamps` (bench/loop_profile.py
+        --schedule-phases): a barrier per phase, so a profile only; recompiles the kernel."""
+        if not self._constants["ON_GPU"]:
+            raise RuntimeError("schedule phase stamps read the GPU's cycle counter: a CUDA device only")
+        self._constants["STAMPS"] = True
+
+    @property
+    def stamping(self) -> bool:
+        return bool(self._constants["STAMPS"])
+
+    def phase_us(self) -> list[float]:
+        """The last launch's phase durations in microseconds (after `stamp_phases`; syncs)."""
+        s = self.stamps.tolist()
+        cycles = s[PHASES] - s[0]
+        ns_per_cycle = (s[63] - s[62]) / cycles if cycles > 0 else 0.0
+        return [(s[i + 1] - s[i]) * ns_per_cycle / 1e3 for i in range(PHASES)]
 
     def compile(self) -> None:
         """Compile the kernel for these arguments without running it (it would consume the ring)."""
