@@ -28,7 +28,7 @@ from blink_appliance.kernels import (  # noqa: E402
 from blink_appliance.kernels import schedule as schedule_module  # noqa: E402
 
 from blink_appliance.engine.loop import kernel_args  # noqa: E402
-from blink_appliance.engine.loop.scheduler import DeviceScheduler  # noqa: E402
+from blink_appliance.engine.loop.scheduler import PHASES, DeviceScheduler  # noqa: E402
 from blink_appliance.wire.ring_layout import RingLayout  # noqa: E402
 from tests.scheduler_twin import Twin, unmap_rings  # noqa: E402, F401 (unmap_rings: autouse fixture)
 from tests.twin_front_end import LOOP, RING  # noqa: E402
@@ -148,3 +148,17 @@ def test_engine_seed_is_checked():
     with pytest.raises(ValueError, match="engine_seed"):
         DeviceScheduler(LOOP, t.state, torch.frombuffer(t.dev_transport.buffer, dtype=torch.uint8),
                         RingLayout.of(RING), t.inputs, -1)  # fmt: skip
+
+
+def test_phase_stamps_are_a_gpu_profile_and_convert_cycles_to_us():
+    """stamp_phases reads the SM's cycle counter (inline PTX): refused under the interpreter. phase_us
+    turns the cycle stamps into microseconds by the %globaltimer span of the whole launch."""
+    t = Twin()
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        t.scheduler.stamp_phases()
+    assert not t.scheduler.stamping
+    stamps = [1000 + 10 * i * i for i in range(PHASES + 1)]  # cycles, phase i takes 10 * (2i + 1)
+    span_cycles = stamps[-1] - stamps[0]
+    t.scheduler.stamps[: PHASES + 1] = torch.tensor(stamps)
+    t.scheduler.stamps[62], t.scheduler.stamps[63] = 5_000, 5_000 + 2 * span_cycles  # 2 ns a cycle
+    assert t.scheduler.phase_us() == pytest.approx([20 * (2 * i + 1) / 1e3 for i in range(PHASES)])
