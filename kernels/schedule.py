@@ -171,7 +171,7 @@ def schedule_kernel(
     # tile sizes
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_STOP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_RANK: tl.constexpr,
     BLOCK_HASH: tl.constexpr, BLOCK_SCORE: tl.constexpr, ON_GPU: tl.constexpr,  # ON_GPU: inline PTX on the ring and the clock
     # codes and offsets the launcher fills by name (kernels/loop_codes.py)
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, COUNTER: tl.constexpr,
@@ -210,6 +210,7 @@ def schedule_kernel(
     next_run_order = tl.load(next_run_order_ptr)
     clock = tl.load(counters_ptr + COUNTER.steps)  # steps before this one: aging's clock (read only here)
     table_width = tl.load(scratch_ptr + BLOCK_D + BLOCK_S)  # block-table columns the last forward used
+    table_rows = tl.load(scratch_ptr + BLOCK_D + BLOCK_S + 1)  # and its rows (sequences)
     lru_head, lru_tail, n_cached = open_lru(lru_words_ptr, blocks, Q, BLOCK_L)
     shutdown, tail, arena_tail, live, addressable, cancel_word, position, rec, seq_word = read_ring_words(
         ring_ptr, snap_ptr, st, ch_d, md, OFF_RECORDS, REC_BYTES, REQ_SLOTS, OFF_CTL, MAX_INFLIGHT,
@@ -276,8 +277,8 @@ def schedule_kernel(
     tl.debug_barrier()  # step tables, block tables and prompt copies above are visible to every thread
     if ntot > 0:
         table_width = write_forward_inputs(
-            nseq, ntot, bucket, table_width, offs_s, slots, step,
-            S, BS, MAXB, MAX_MODEL_LEN, BLOCK_S, BLOCK_T, BLOCK_C,
+            nseq, ntot, bucket, table_width, table_rows, offs_s, slots, step,
+            S, BS, MAXB, MAX_MODEL_LEN, BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_ROWS,
         )  # fmt: skip
     phase_stamp(stamps_ptr, 11, STAMPS)
 
@@ -290,6 +291,8 @@ def schedule_kernel(
     tl.store(next_arrival_ptr, next_arrival)
     tl.store(next_run_order_ptr, next_run_order)
     tl.store(scratch_ptr + BLOCK_D + BLOCK_S, table_width)
+    if ntot > 0:
+        tl.store(scratch_ptr + BLOCK_D + BLOCK_S + 1, nseq)
     phase_stamp(stamps_ptr, 12, STAMPS)
 
 

@@ -55,9 +55,9 @@ def finish_step_tables(
 
 @triton.jit
 def write_forward_inputs(
-    nseq, ntot, bucket, table_width, offs_s, slots, step,
+    nseq, ntot, bucket, table_width, table_rows, offs_s, slots, step,
     S: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):  # fmt: skip
     """The forward's token rows (bucket padding included) and block tables of a step with tokens;
     the step tables are written and visible to every thread. Returns the block-table width the
@@ -80,24 +80,25 @@ def write_forward_inputs(
         tl.store(step.positions + t, tl.where(in_step, pos, 0).to(tl.int64), mask=in_bucket)
         mapping = tl.where(in_step, block.to(tl.int64) * BS + pos % BS, -1)
         tl.store(step.slot_mapping + t, mapping, mask=in_bucket)
-    # Block tables: the batch's rows, -1 elsewhere. Only the columns that can hold a block id now
-    # or did after the last forward step are written (scratch keeps that width; every column
-    # beyond it is -1 already), so the cost follows the longest context, not max_model_len.
+    # Block tables: the batch's rows, -1 elsewhere. Only the rows and columns that can hold a block
+    # id now or did after the last forward step are written (scratch keeps both; every row and
+    # column beyond them is -1 already), so the cost follows the batch and its longest context, not
+    # max_seqs and max_model_len.
     in_batch = offs_s < nseq
-    rows = tl.load(step.step_slot + offs_s, mask=in_batch, other=0)
-    width = tl.max(tl.load(slots.num_blocks + rows, mask=in_batch, other=0), 0)
+    slot_of = tl.load(step.step_slot + offs_s, mask=in_batch, other=0)
+    width = tl.max(tl.load(slots.num_blocks + slot_of, mask=in_batch, other=0), 0)
     columns = tl.maximum(width, table_width)
-    for c0 in range(0, columns, BLOCK_C):
-        col = c0 + tl.arange(0, BLOCK_C)
-        cm = col[None, :] < columns
-        table = tl.load(
-            slots.block_table + rows[:, None] * MAXB + col[None, :], mask=in_batch[:, None] & cm, other=-1
-        )
-        tl.store(
-            step.block_tables + offs_s[:, None] * MAXB + col[None, :],
-            table,
-            mask=(offs_s < S)[:, None] & cm,
-        )
+    for r0 in range(0, tl.minimum(tl.maximum(nseq, table_rows), S), BLOCK_ROWS):
+        r = r0 + tl.arange(0, BLOCK_ROWS)
+        live = r < nseq
+        rows = tl.load(step.step_slot + r, mask=live, other=0)
+        for c0 in range(0, columns, BLOCK_C):
+            col = c0 + tl.arange(0, BLOCK_C)
+            cm = col[None, :] < columns
+            table = tl.load(
+                slots.block_table + rows[:, None] * MAXB + col[None, :], mask=live[:, None] & cm, other=-1
+            )
+            tl.store(step.block_tables + r[:, None] * MAXB + col[None, :], table, mask=(r < S)[:, None] & cm)
     return width
 
 

@@ -62,8 +62,8 @@ def mixed_workload(t: Twin) -> None:
 
 @pytest.mark.parametrize("rank_tile", [None, 1])
 def test_mixed_workload_matches_reference_step_by_step(rank_tile):
-    """rank_tile 1: running sequences are put in run order one tile per sequence, as max_seqs
-    beyond the tile does on the GPU."""
+    """rank_tile 1: running sequences are put in run order one tile per sequence, and the block
+    tables written a row per tile, as max_seqs beyond the tiles does on the GPU."""
     mixed_workload(Twin(rank_tile=rank_tile))
 
 

@@ -42,6 +42,7 @@ PROMPT_TILE = 1024  # prompt tokens copied per load of the ring's arena
 TOKEN_TILE = 64  # forward rows written per tile
 BLOCK_TILE = 4  # KV blocks moved per slot per tile (pushes and pops)
 RANK_TILE = 32  # running sequences compared per tile when they are put in run order
+TABLE_ROW_TILE = 16  # block-table rows of the forward's inputs written per tile
 BIAS_TILE = 64  # logit_bias entries copied per load
 LRU_TILE = 64  # LRU entries read per pass when evicting or compacting (kernels/prefix_cache.py)
 HASH_TILE = 32  # prompt block hashes looked up or registered per pass
@@ -90,6 +91,7 @@ class DeviceScheduler:
         *,
         num_warps: int | None = None,
         rank_tile: int = RANK_TILE,
+        table_row_tile: int = TABLE_ROW_TILE,
     ) -> None:
         geometry.validate()
         g, rg = geometry, layout.geometry
@@ -100,9 +102,11 @@ class DeviceScheduler:
         self.buckets = torch.tensor(g.buckets, dtype=torch.int32, device=device)
         block_d, block_s = _pow2(g.num_slots), _pow2(g.max_num_seqs)
         # [0, block_d): running slots compacted; [block_d, +block_s): the same in run order;
-        # [block_d + block_s]: block-table columns the last forward step wrote (the first writes all).
-        self.scratch = torch.zeros(block_d + block_s + 1, dtype=torch.int32, device=device)
-        self.scratch[-1] = g.max_blocks_per_seq
+        # [block_d + block_s], [+1]: block-table columns and rows the last forward step wrote (the
+        # first writes all).
+        self.scratch = torch.zeros(block_d + block_s + 2, dtype=torch.int32, device=device)
+        self.scratch[-2] = g.max_blocks_per_seq
+        self.scratch[-1] = g.max_num_seqs
         block_r = min(RECORDS_PER_LAUNCH, block_d)
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
         self.snap = torch.zeros(4 + 3 * block_r + block_d, dtype=torch.int64, device=device)
@@ -142,6 +146,7 @@ class DeviceScheduler:
             BLOCK_R=block_r, BLOCK_STOP=_pow2(rg.max_stop_ids),
             BLOCK_J=BLOCK_TILE, BLOCK_P=min(PROMPT_TILE, _pow2(rg.max_prompt_tokens)),
             BLOCK_T=min(TOKEN_TILE, _pow2(g.max_num_batched_tokens)), BLOCK_C=min(64, _pow2(g.max_blocks_per_seq)),
+            BLOCK_ROWS=min(_pow2(table_row_tile), block_s),
             BLOCK_NB=_pow2(len(g.buckets)), BLOCK_NC=_pow2(len(COUNTERS)), BLOCK_RANK=min(_pow2(rank_tile), block_s),
             BLOCK_SCORE=_pow2(g.prompt_score_chunk),
             SLOT=kernel_args.SLOT_STATES, FINISH=kernel_args.FINISH_REASONS, ERROR=kernel_args.ERROR_CODES,
