@@ -145,6 +145,9 @@ async def test_concurrency_cap_holds_requests_at_the_client():
         await server.close()
     assert all(r.ok for r in run.records)
     assert script.max_inflight == 2
+    # Each request's connect (new, or reused by the later ones), send and reply, in order.
+    for r in run.records:
+        assert 0 < r.start_s <= r.connected_s <= r.sent_s <= r.headers_s <= r.chunk_times_s[0], r
     # Released at once (rate inf) but sent as slots freed: the last ones waited two rounds.
     last_start = max(r.start_s for r in run.records)
     assert last_start > 2 * 2 * PAUSE_S

@@ -74,6 +74,8 @@ class RequestRecord:
     input_len_expected: int | None
     scheduled_s: float = 0.0  # when the arrival schedule released it
     start_s: float = 0.0  # when it was sent (after waiting for a concurrency slot)
+    connected_s: float = 0.0  # when it had a connection (a new one made, or a pooled one taken)
+    sent_s: float = 0.0  # when its body was written to the connection
     headers_s: float = 0.0  # when the response's status and headers arrived (a stream's: once admitted)
     end_s: float = 0.0
     chunk_times_s: list[float] = field(default_factory=list)  # each SSE chunk carrying output text
@@ -195,6 +197,34 @@ def _whole_response(record: RequestRecord, body: Any, now: float) -> RequestReco
     return record
 
 
+@dataclass
+class _Stamps:
+    """What the session's trace hooks stamp for one request (`_trace_config`)."""
+
+    record: RequestRecord
+    t0: float
+
+
+def _trace_config() -> Any:
+    """aiohttp hooks that stamp a request's connection and the end of its body into its record, so a
+    slow first token can be split into the client's connect and send and the server's reply."""
+    import aiohttp
+
+    def stamp(field_name: str):
+        async def hook(session: Any, ctx: Any, params: Any) -> None:
+            s = ctx.trace_request_ctx
+            if isinstance(s, _Stamps):
+                setattr(s.record, field_name, time.perf_counter() - s.t0)
+
+        return hook
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(stamp("connected_s"))
+    trace.on_connection_reuseconn.append(stamp("connected_s"))
+    trace.on_request_chunk_sent.append(stamp("sent_s"))  # the JSON body: the last write counts
+    return trace
+
+
 async def send_one(
     session: Any, config: LoadConfig, req: BenchRequest, record: RequestRecord, t0: float
 ) -> RequestRecord:
@@ -206,7 +236,7 @@ async def send_one(
     record.start_s = clock() - t0
     done = False
     try:
-        async with session.post(config.url, json=body) as resp:
+        async with session.post(config.url, json=body, trace_request_ctx=_Stamps(record, t0)) as resp:
             record.headers_s = clock() - t0
             record.http_status = resp.status
             if resp.status != 200:
@@ -271,7 +301,9 @@ async def run_load(requests: list[BenchRequest], config: LoadConfig) -> LoadRun:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     started_unix = time.time()
-    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, headers=headers, timeout=timeout, trace_configs=[_trace_config()]
+    ) as session:
         t0 = time.perf_counter()
 
         async def one(index: int, req: BenchRequest, at: float) -> RequestRecord:
