@@ -132,7 +132,7 @@ class StepTensors(NamedTuple):
 
 
 @triton.jit
-def schedule_kernel(
+def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines); the body is the steps in order
     ring_ptr,
     # DeviceState, per slot
     slot_state_ptr, chan_ptr, generation_ptr, request_id_ptr, priority_ptr, arrival_ptr, run_order_ptr,
@@ -210,7 +210,6 @@ def schedule_kernel(
     next_run_order = tl.load(next_run_order_ptr)
     clock = tl.load(counters_ptr + COUNTER.steps)  # steps before this one: aging's clock (read only here)
     table_width = tl.load(scratch_ptr + BLOCK_D + BLOCK_S)  # block-table columns the last forward used
-    table_rows = tl.load(scratch_ptr + BLOCK_D + BLOCK_S + 1)  # and its rows (sequences)
     lru_head, lru_tail, n_cached = open_lru(lru_words_ptr, blocks, Q, BLOCK_L)
     shutdown, tail, arena_tail, live, addressable, cancel_word, position, rec, seq_word = read_ring_words(
         ring_ptr, snap_ptr, st, ch_d, md, OFF_RECORDS, REC_BYTES, REQ_SLOTS, OFF_CTL, MAX_INFLIGHT,
@@ -277,23 +276,33 @@ def schedule_kernel(
     tl.debug_barrier()  # step tables, block tables and prompt copies above are visible to every thread
     if ntot > 0:
         table_width = write_forward_inputs(
-            nseq, ntot, bucket, table_width, table_rows, offs_s, slots, step,
+            nseq, ntot, bucket, table_width, tl.load(scratch_ptr + BLOCK_D + BLOCK_S + 1), offs_s, slots, step,
             S, BS, MAXB, MAX_MODEL_LEN, BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_ROWS,
         )  # fmt: skip
     phase_stamp(stamps_ptr, 11, STAMPS)
 
-    # 7. Counters, active slots.
+    # 7. Counters, active slots, and the words read at the start written back.
     delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried,
                            n_hit, BLOCK_NC, COUNTER)  # fmt: skip
     _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS, BLOCK_NC, SLOT)
+    _store_words(top, lru_head, lru_tail, n_cached, next_arrival, next_run_order, table_width, nseq, ntot,
+                 free_top_ptr, lru_words_ptr, next_arrival_ptr, next_run_order_ptr, scratch_ptr + BLOCK_D + BLOCK_S)  # fmt: skip
+    phase_stamp(stamps_ptr, 12, STAMPS)
+
+
+@triton.jit
+def _store_words(top, lru_head, lru_tail, n_cached, next_arrival, next_run_order, table_width, nseq, ntot,
+                 free_top_ptr, lru_words_ptr, next_arrival_ptr, next_run_order_ptr, table_ptr):  # fmt: skip
+    """The one-element words the step read at its start, written back once, after _add_counters'
+    barrier (module docstring: one-element updates and warps); table_ptr: the block-table columns and
+    rows the forward step wrote (the rows only when it ran)."""
     tl.store(free_top_ptr, top)
     close_lru(lru_words_ptr, lru_head, lru_tail, n_cached)
     tl.store(next_arrival_ptr, next_arrival)
     tl.store(next_run_order_ptr, next_run_order)
-    tl.store(scratch_ptr + BLOCK_D + BLOCK_S, table_width)
+    tl.store(table_ptr, table_width)
     if ntot > 0:
-        tl.store(scratch_ptr + BLOCK_D + BLOCK_S + 1, nseq)
-    phase_stamp(stamps_ptr, 12, STAMPS)
+        tl.store(table_ptr + 1, nseq)
 
 
 @triton.jit

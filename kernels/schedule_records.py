@@ -66,10 +66,9 @@ def read_ring_words(
     MAX_INFLIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     SLOT: tl.constexpr, CONTROL: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
-    """Every read of the ring a step needs, issued up front so that their bus round trips overlap
-    (about two in all: the control words and cancel words, then the records at req_tail). Returns
-    (shutdown, req_tail, arena_tail, live slots, slots with an addressable channel, their cancel
-    words, positions and byte offsets of the records at req_tail, their seq words)."""
+    """Every read of the ring a step needs, in two bus round trips (the control and cancel words, then
+    the records at req_tail). Returns (shutdown, req_tail, arena_tail, live slots, slots with an
+    addressable channel, their cancel words, the records' positions, byte offsets and seq words)."""
     ring_i64 = ring_ptr.to(tl.pointer_type(tl.int64))
     offs_d = tl.arange(0, BLOCK_D)
     live = md & ((st == SLOT.WAITING) | (st == SLOT.RUNNING))
@@ -78,9 +77,8 @@ def read_ring_words(
         ring_i64 + (OFF_CTL + ch_d.to(tl.int64) * CHANNEL.ctl_bytes + CHANNEL.ctl_cancel) // 8,
         mask=addressable, other=0, volatile=True,
     )  # fmt: skip
-    # One value per word for every thread (kernels/schedule.py), each read by one thread
-    # (snap_ring_word): snap[0] shutdown, [2, +BLOCK_R) seq words, [2 + BLOCK_R, +BLOCK_D) cancel
-    # words of the live slots' channels, [at, at + 1] req_tail and arena_tail.
+    # Each word read by one thread, then one value for every thread through the snap (schedule.py): [0]
+    # shutdown, [2, +BLOCK_R) seq words, [2 + BLOCK_R, +BLOCK_D) live slots' cancel words, [at, +2) tails.
     at = 2 + 3 * BLOCK_R + BLOCK_D  # after take_records' words
     snap_ring_word(ring_i64 + CONTROL.shutdown // 8, snap_ptr, ON_GPU)
     snap_ring_word(ring_i64 + CONTROL.req_tail // 8, snap_ptr + at, ON_GPU)
