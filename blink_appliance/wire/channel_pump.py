@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,10 +54,7 @@ class ChannelPump:
     _free: deque[int]
     _areas: RequestAreas
     _ring: RingCursor
-
-    def _why_dead(self) -> str:
-        """Why the engine counts as dead, for the streams the pump ends (EngineClient says)."""
-        raise NotImplementedError
+    _why_dead: Callable[[], str]  # EngineClient's: why the engine counts as dead, for the streams it ends
 
     async def _run_pump(self) -> None:
         while True:
