@@ -162,7 +162,32 @@ def stalls_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
                 "longest_ms": round(longest * 1e3, 1),
             }
     top = sorted(slow.items(), key=lambda kv: -kv[1]["seconds"])[:15]
-    return {"stacks": dict(stacks.most_common(15)), "slow_callbacks": dict(top)}
+    others = collections.Counter(after.get("other_threads", {})) - collections.Counter(
+        before.get("other_threads", {})
+    )
+    seen = {tuple(b) for b in before.get("late_beats", [])}
+    late = [b for b in after.get("late_beats", []) if tuple(b) not in seen]
+    return {
+        "stacks": dict(stacks.most_common(15)), "slow_callbacks": dict(top),
+        "other_threads": dict(others.most_common(10)), "late_beats": late_beats_summary(late),
+    }  # fmt: skip
+
+
+def late_beats_summary(late: list[list]) -> dict[str, Any]:
+    """The front end's late beats (frontend/loop_lag.py): how much of their lateness callbacks
+    account for (loop work) and how much the loop thread spent outside them."""
+    if not late:
+        return {"count": 0}
+    lag = sum(b[1] for b in late)
+    in_callbacks = sum(b[3] for b in late)
+    longest = collections.Counter(b[4] for b in late if b[5] > 0.001)
+    return {
+        "count": len(late), "lag_s": round(lag, 4), "in_callbacks_s": round(in_callbacks, 4),
+        "mostly_outside_callbacks": sum(b[3] < 0.5 * b[1] for b in late),
+        "callbacks_per_late_beat_p50": sorted(b[2] for b in late)[len(late) // 2],
+        "longest_callbacks": dict(longest.most_common(8)),
+        "beats": late[:300],  # [time s, lag s, callbacks, their s, the longest's key, its s]
+    }  # fmt: skip
 
 
 def prompt(args: argparse.Namespace, rng: random.Random, output_len: int) -> BenchRequest:

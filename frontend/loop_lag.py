@@ -6,7 +6,10 @@ front end's share of a token's latency. A beat scheduled every BEAT_S measures h
 also samples the loop thread's stack whenever the beat is more than STALL_S overdue (as often as
 the GIL's switch interval lets it in: the front end sets 1 ms), and rewrites <file> once a second
 with a JSON count of the stacks seen and of the callbacks that ran longer than SLOW_S, by the
-coroutines they resumed (a bench's tool for finding the stalls).
+coroutines they resumed (a bench's tool for finding the stalls). Each beat later than RECORD_S is
+also kept (`late_beats`): when, how late, and how many callbacks ran since the beat before and for
+how long in all, which tells loop work (many callbacks) from time the loop thread spent outside
+them (waiting for the GIL or a CPU). The other threads' stacks seen during stalls are counted too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from types import FrameType
 BEAT_S = 0.002
 STALL_S = 0.004
 SLOW_S = 0.002
+RECORD_S = 0.008
+KEYED_S = 0.0005
+LATE_BEATS_KEPT = 4000
 STACK_ENV = "BLINK_FRONTEND_STALL_STACKS"
 _OWN = ("frontend/", "blink_appliance/", "aiohttp/", "asyncio/")
 
@@ -67,6 +73,10 @@ class LoopLag:
         self._stacks_file = stacks_file
         self.stacks: collections.Counter[str] = collections.Counter()
         self.slow: dict[str, list[float]] = {}  # callback_key: [count, seconds, longest]
+        self.other_threads: collections.Counter[str] = collections.Counter()
+        # [monotonic s, lag s, callbacks since the beat before, their seconds, the longest one's key, its s]
+        self.late_beats: collections.deque[list] = collections.deque(maxlen=LATE_BEATS_KEPT)
+        self._since_beat = [0, 0.0, "", 0.0]  # callbacks, seconds, longest key, longest seconds
         self._run_handle: Callable[[asyncio.Handle], None] | None = None
         self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
@@ -90,12 +100,16 @@ class LoopLag:
 
     def _time_callbacks(self) -> None:
         run = self._run_handle = asyncio.Handle._run  # type: ignore[attr-defined]
-        slow = self.slow
+        slow, since = self.slow, self._since_beat
 
         def timed(handle: asyncio.Handle) -> None:
             started = time.perf_counter()
             run(handle)
             took = time.perf_counter() - started
+            since[0] += 1
+            since[1] += took
+            if took > since[3] and took > KEYED_S:  # naming a callback walks its coroutines: only long ones
+                since[2], since[3] = callback_key(handle), took
             if took > SLOW_S:
                 entry = slow.setdefault(callback_key(handle), [0, 0.0, 0.0])
                 entry[0] += 1
@@ -116,7 +130,14 @@ class LoopLag:
 
     def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
-        self._observe(max(0.0, now - self._due))
+        lag = max(0.0, now - self._due)
+        self._observe(lag)
+        if self._stacks_file is not None:
+            since = self._since_beat
+            if lag > RECORD_S:
+                self.late_beats.append([round(now, 4), round(lag, 5), since[0], round(since[1], 5), since[2],
+                                        round(since[3], 5)])  # fmt: skip
+            since[:] = [0, 0.0, "", 0.0]
         self._due = now + BEAT_S
         self._handle = loop.call_at(self._due, self._beat, loop)
 
@@ -125,7 +146,11 @@ class LoopLag:
         while not self._stop.wait(BEAT_S / 2):
             # loop.time() is time.monotonic(): the beat's due time compares with it from this thread.
             if time.monotonic() - self._due > STALL_S:
-                self.stacks[stack_key(sys._current_frames().get(ident))] += 1
+                frames = sys._current_frames()
+                self.stacks[stack_key(frames.get(ident))] += 1
+                for other, frame in frames.items():
+                    if other not in (ident, threading.get_ident()):
+                        self.other_threads[stack_key(frame, depth=4)] += 1
             if time.monotonic() - written > 1.0:
                 self._write()
                 written = time.monotonic()
@@ -135,6 +160,12 @@ class LoopLag:
         tmp = self._stacks_file.with_suffix(".tmp")
         # list() copies in one C call, which the loop thread cannot interleave with.
         slow = sorted(list(self.slow.items()), key=lambda kv: -kv[1][1])
-        stacks = list(self.stacks.items())
-        tmp.write_text(json.dumps({"stacks": dict(stacks), "slow_callbacks": dict(slow)}))
+        stacks, others, late = (
+            list(self.stacks.items()),
+            list(self.other_threads.items()),
+            list(self.late_beats),
+        )
+        tmp.write_text(json.dumps({
+            "stacks": dict(stacks), "slow_callbacks": dict(slow), "other_threads": dict(others), "late_beats": late,
+        }))  # fmt: skip
         tmp.replace(self._stacks_file)

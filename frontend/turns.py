@@ -4,8 +4,9 @@ A batch job's requests come and go together: hundreds arrive at once, and a whol
 response gets its tokens in large batches (EngineClient.stream_batches with `whole`). Done in one
 go, either holds the loop, and every stream waits that long for its next token. Instead each takes
 turns, one per event-loop iteration, the most urgent class (the smallest priority) first: a request
-before it is prepared and submitted (CompletionService._turn), a response for each slice of its
-tokens. Streams and more urgent work run between any two turns.
+before it is prepared and submitted (CompletionService._turn), a whole response for each batch of
+its tokens (a slice at a time of a long one; its last batch brings the text, body and write).
+Streams and more urgent work run between any two turns.
 """
 
 from __future__ import annotations
@@ -48,13 +49,11 @@ class Turns:
         self._granting = False
 
     async def sliced(self, batches: AsyncIterator[list], priority: int) -> AsyncIterator[list]:
-        """`batches` with each one longer than a slice handed over a slice per turn. Closing this
-        closes `batches`."""
+        """`batches` handed over a turn each, those longer than a slice a slice per turn. Short ones
+        take a turn too: a whole response's last batch brings its whole text, body and write (about
+        2 ms at 2k tokens), and a batch job's responses end together. Closing this closes `batches`."""
         async with contextlib.aclosing(batches):  # type: ignore[type-var]
             async for batch in batches:
-                if len(batch) <= self.slice_tokens:
-                    yield batch
-                    continue
-                for start in range(0, len(batch), self.slice_tokens):
+                for start in range(0, max(len(batch), 1), self.slice_tokens):
                     await self.take(priority)
                     yield batch[start : start + self.slice_tokens]

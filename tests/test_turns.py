@@ -74,3 +74,24 @@ async def test_sliced_hands_long_batches_over_in_slices_and_closing_it_closes_th
     await anext(sliced)
     await sliced.aclose()
     assert closed == [True]
+
+
+async def test_a_short_batch_such_as_a_responses_last_waits_its_turn_behind_more_urgent_work():
+    turns, order = Turns(slice_tokens=64), []
+
+    async def waiter(name: str, priority: int) -> None:
+        await turns.take(priority)
+        order.append(name)
+
+    async def last_batch():
+        yield [7]  # with the terminal event: the response's text, body and write follow at once
+
+    async def whole_response() -> None:
+        async for _ in turns.sliced(last_batch(), 2):
+            order.append("be last batch")
+
+    lead = asyncio.create_task(waiter("lead", 1))  # takes this iteration's turn: the rest wait
+    be = asyncio.create_task(whole_response())
+    ls = asyncio.create_task(waiter("ls", 0))
+    await asyncio.gather(lead, be, ls)
+    assert order == ["lead", "ls", "be last batch"]
