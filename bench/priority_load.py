@@ -173,6 +173,13 @@ def stalls_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }  # fmt: skip
 
 
+def host_probe_s() -> float:
+    """Seconds this host's Python takes for a fixed loop: runs compare only on hosts of like speed."""
+    started = time.perf_counter()
+    sum(range(10**7))
+    return round(time.perf_counter() - started, 3)
+
+
 def late_beats_summary(late: list[list]) -> dict[str, Any]:
     """The front end's late beats (frontend/loop_lag.py): how much of their lateness callbacks
     account for (loop work) and how much the loop thread spent outside them."""
@@ -213,6 +220,9 @@ async def ls_phase(url: str, args: argparse.Namespace) -> tuple[dict[str, Any], 
         "ttft_p50_ms": ms(ttfts, 50), "ttft_p99_ms": ms(ttfts, 99),
         "tpot_p50_ms": ms(tpots, 50), "tpot_p99_ms": ms(tpots, 99),
         "ttft_slowest_ms": [round(t * 1e3, 1) for t in sorted(ttfts)[-5:]],
+        # The clients' own time to write a request: 0.05-0.1 ms on a quick host, 5-10x that on hosts
+        # where every front-end callback also ran several times longer (2026-11-27-h100-last-batch-turns.md).
+        "send_p50_ms": ms([r.sent_s - r.connected_s for r in done if r.sent_s and r.connected_s], 50),
         # Those five in parts: the client's connect and send, the server's reply up to the stream's
         # headers (parsed, prepared, submitted), then up to the first token.
         "ttft_slowest_parts_ms": [ttft_parts_ms(r) for r in sorted(done, key=lambda r: r.ttft_s or 0)[-5:]],
@@ -413,6 +423,7 @@ def main() -> None:
     try:
         server.start(args.startup_timeout)
         report["startup_s"] = round(server.ready_after_s or 0.0, 1)
+        report["host_probe_s"] = host_probe_s()
         for name in args.phases:
             report["phases"][name] = result = asyncio.run(phase(server.url, name, args))
             say(f"{name}: {json.dumps(result)}")
