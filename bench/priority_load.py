@@ -13,7 +13,9 @@ One `blink-appliance up`. Latency-sensitive (LS) requests arrive by Poisson (--l
   - "fcfs": the same BE load in the LS class (priority 0): one class, first come first served;
   - "be_alone": the BE load alone, for its throughput.
 Per phase: LS TTFT and TPOT P50/P99, and the BE tokens per second (the engine's generated-token
-counter over the phase, less the LS tokens).
+counter over the phase, less the LS tokens). The report also gives the host's speed (`host_probe_s`)
+and, per phase, the LS clients' own send time (`send_p50_ms`): tails compare only between runs on
+hosts of like speed.
 """
 
 from __future__ import annotations
