@@ -4,7 +4,7 @@
 
 The front end's ring pump runs ~20 numpy operations over every slot each pass (wire/channel_pump.py);
 numpy lets go of the GIL for arrays over 500 elements, and a waiting thread can take it then. This
-times such a pass on this host alone, then beside a thread sleeping 1 ms in a loop (what
+times such a pass (40 numpy operations over --slots elements) on this host alone, then beside a thread sleeping 1 ms in a loop (what
 telemetry/sched_probe.py's probe does) and 10 ms, and beside the probe itself: pass time P50 / P99 /
 max, in microseconds. A host whose threads wake slowly shows it in the tail.
 """

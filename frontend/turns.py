@@ -54,6 +54,6 @@ class Turns:
         2 ms at 2k tokens), and a batch job's responses end together. Closing this closes `batches`."""
         async with contextlib.aclosing(batches):  # type: ignore[type-var]
             async for batch in batches:
-                for start in range(0, max(len(batch), 1), self.slice_tokens):
+                for start in range(0, max(len(batch), 1), self.slice_tokens):  # an empty batch: one turn
                     await self.take(priority)
                     yield batch[start : start + self.slice_tokens]
