@@ -43,7 +43,7 @@ def test_default_profile_loads_and_is_loopback_cpu_fp32():
 def test_gpu_example_profile_is_the_loop_on_cuda():
     p = load_profile(REPO / "profiles" / "gpu-h100.example.toml")
     assert (p.model.device, p.model.dtype, p.engine_mode) == ("cuda:0", "bfloat16", "loop")
-    assert p.uses_loop and p.num_slots == 1024 and p.buckets == (8, 32, 128, 512, 2048)
+    assert p.uses_loop and p.num_slots == 1024 and p.buckets == (1, 2, 4, 8, 32, 128, 512, 2048)
 
 
 @pytest.mark.parametrize(
@@ -257,9 +257,9 @@ def test_loop_capacities_default_from_the_model_and_front_end():
             frontend={"max_inflight": 300},
         )
     )
-    assert p.num_slots == 300 and p.buckets == (8, 32, 128, 512)
+    assert p.num_slots == 300 and p.buckets == (1, 2, 4, 8, 32, 128, 512)
     q = parse_profile(_profile(model={"device": "cuda:0", "max_seqs": 64, "max_num_batched_tokens": 100}))
-    assert q.num_slots == 256 and q.buckets == (8, 32, 100)  # the budget itself is the last bucket
+    assert q.num_slots == 256 and q.buckets == (1, 2, 4, 8, 32, 100)  # the budget itself is the last bucket
     few = parse_profile(
         _profile(
             model={"device": "cuda:0", "max_seqs": 64, "max_num_batched_tokens": 64},

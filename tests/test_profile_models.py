@@ -33,7 +33,7 @@ def test_several_models_load_with_their_own_settings():
     assert [m.name for m in p.models] == ["m0", "m1"]
     assert (p.engine_mode_of(0), p.engine_mode_of(1)) == ("reference", "loop")
     assert (p.uses_loop_of(0), p.uses_loop_of(1)) == (False, True)
-    assert p.buckets_of(1) == (8, 32, 128, 512) and p.num_slots_of(1) == 256
+    assert p.buckets_of(1) == (1, 2, 4, 8, 32, 128, 512) and p.num_slots_of(1) == 256
 
 
 def test_one_model_view_refuses_a_profile_of_several():
