@@ -12,13 +12,59 @@ input row rows[r] (the final norm runs only on the rows that sample); a negative
 row. With `x_rows`, row r reads x row x_rows[r] (the first layer's norm gathers the token embeddings
 itself: no gather kernel). With `rows2` too, the same launch also gathers rows2 into `out2` (the
 final norm's prompt rows that are scored, beside the sample rows), skipping negative entries.
+With `tp` (tensor parallelism over two GPUs, model/tensor_parallel.py) x is this rank's share of the
+GEMM's product and the kernel adds the peer rank's share too, read over NVLink, once the peer has
+flagged it ready: the all-reduce costs no kernel or collective of its own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True)
+class PeerShare:
+    """The peer rank's share of a norm's input (tensor parallelism over two ranks)."""
+
+    rank: int  # this rank, 0 or 1
+    x: torch.Tensor  # the peer's tensor laid out as this rank's x (peer memory)
+    flags: torch.Tensor  # int32 [points], this rank's: the peer writes them
+    peer_flags: torch.Tensor  # the peer's flags (peer memory)
+    epoch: torch.Tensor  # int32 [1]: the step's number, the same on both ranks
+    point: int  # which flag of the step this norm exchanges
+
+
+@triton.jit
+def _exchange_flags(flags_ptr, peer_flags_ptr, epoch_ptr, point, r):
+    """Tell the peer this rank's share for `point` is ready (its GEMM finished: griddepcontrol.wait
+    returned, or the kernel before ended), then wait until the peer says the same of its share. A
+    flag holds the step's epoch, so flags need no reset between steps."""
+    epoch = tl.load(epoch_ptr)
+    if r == 0:
+        tl.atomic_xchg(peer_flags_ptr + point, epoch, sem="release", scope="sys")
+    seen = tl.atomic_add(flags_ptr + point, 0, sem="acquire", scope="sys")
+    while seen < epoch:
+        seen = tl.atomic_add(flags_ptr + point, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _sum_parts(
+    xf, x_ptr, x_src, cols, mask, x_stride, x_part_stride, X_PARTS: tl.constexpr, REMOTE: tl.constexpr
+):
+    """xf plus the X_PARTS split-K partials of row x_src, in order. The peer's are read uncached:
+    the same addresses held last layer's values."""
+    for p in tl.static_range(X_PARTS):
+        ptrs = x_ptr + p * x_part_stride + x_src * x_stride + cols
+        if REMOTE:
+            part = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cv")
+        else:
+            part = tl.load(ptrs, mask=mask, other=0.0)
+        xf += part.to(tl.float32)
+    return xf
 
 
 @triton.jit
@@ -39,6 +85,11 @@ def _add_rmsnorm_kernel(
     out2_stride,
     x_part_stride,
     eps,
+    peer_x_ptr,
+    flags_ptr,
+    peer_flags_ptr,
+    epoch_ptr,
+    point,
     X_PARTS: tl.constexpr,  # 0: no x, the residual already holds the sum
     HAS_RESIDUAL: tl.constexpr,
     RESIDUAL_IN: tl.constexpr,
@@ -48,6 +99,7 @@ def _add_rmsnorm_kernel(
     HAS_ROWS2: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    TP_RANK: tl.constexpr = -1,  # >= 0: add the peer rank's share of x (two ranks)
 ):
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -56,6 +108,8 @@ def _add_rmsnorm_kernel(
     if USE_PDL:  # launched early (programmatic dependent launch): wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if TP_RANK >= 0:
+        _exchange_flags(flags_ptr, peer_flags_ptr, epoch_ptr, point, r)
     if HAS_ROWS2:
         first = r < n_first
         src = tl.where(
@@ -76,9 +130,14 @@ def _add_rmsnorm_kernel(
     out_dtype = out_ptr.dtype.element_ty
     x_src = tl.load(x_rows_ptr + r).to(tl.int64) if HAS_X_ROWS else src
     xf = tl.zeros([BLOCK], tl.float32)
-    for p in tl.static_range(X_PARTS):
-        part = tl.load(x_ptr + p * x_part_stride + x_src * x_stride + cols, mask=mask, other=0.0)
-        xf += part.to(tl.float32)
+    if TP_RANK < 0:
+        xf = _sum_parts(xf, x_ptr, x_src, cols, mask, x_stride, x_part_stride, X_PARTS, False)
+    elif TP_RANK == 0:  # rank 0's share first on both ranks, so both streams get the same bits
+        xf = _sum_parts(xf, x_ptr, x_src, cols, mask, x_stride, x_part_stride, X_PARTS, False)
+        xf = _sum_parts(xf, peer_x_ptr, x_src, cols, mask, x_stride, x_part_stride, X_PARTS, True)
+    else:
+        xf = _sum_parts(xf, peer_x_ptr, x_src, cols, mask, x_stride, x_part_stride, X_PARTS, True)
+        xf = _sum_parts(xf, x_ptr, x_src, cols, mask, x_stride, x_part_stride, X_PARTS, False)
     if HAS_RESIDUAL:
         res_dtype = residual_ptr.dtype.element_ty
         if RESIDUAL_IN:
@@ -113,6 +172,7 @@ def add_rmsnorm(
     pdl: bool = False,
     rows2: torch.Tensor | None = None,
     out2: torch.Tensor | None = None,
+    peer: PeerShare | None = None,
 ) -> torch.Tensor:
     """out[r] = rmsnorm(x[src] (+ residual[src])) * weight, src = rows[r] if rows is given else r.
 
@@ -123,7 +183,8 @@ def add_rmsnorm(
     x None: the residual already holds the sum (a GEMM accumulated into it); it is normed, not written.
     x_rows: row r reads x[x_rows[r]] (an embedding table gathered by token id) instead of x[src];
     not with rows or partials. rows2, out2 (with rows, without writing the residual): out2[i] is
-    the same of input row rows2[i]; rows2[i] < 0 leaves out2[i] as it was.
+    the same of input row rows2[i]; rows2[i] < 0 leaves out2[i] as it was. peer: x is this rank's
+    share and the peer's (same layout) is added, rank 0's first, after the ranks' flags meet.
     """
     if x is None:
         if residual is None or not residual_in:
@@ -147,6 +208,8 @@ def add_rmsnorm(
     n_second = rows2.shape[0] if rows2 is not None else 0
     if n_second and (out2.shape[0] < n_second or out2.shape[-1] != hidden):
         raise ValueError(f"add_rmsnorm: out2 {tuple(out2.shape)} cannot hold {n_second} rows of {hidden}")
+    if peer is not None and (x_parts == 0 or peer.x.shape != x.shape or peer.x.stride() != x.stride()):
+        raise ValueError("add_rmsnorm: the peer's share must be laid out as x")
     if n_out + n_second == 0:
         return out
     _add_rmsnorm_kernel[(n_out + n_second,)](
@@ -166,6 +229,11 @@ def add_rmsnorm(
         out2.stride(0) if n_second else 0,
         x.stride(0) if x_parts > 1 else 0,
         eps,
+        peer.x if peer else x,
+        peer.flags if peer else x,
+        peer.peer_flags if peer else x,
+        peer.epoch if peer else x,
+        peer.point if peer else 0,
         X_PARTS=x_parts,
         HAS_RESIDUAL=residual is not None,
         RESIDUAL_IN=residual_in,
@@ -175,6 +243,7 @@ def add_rmsnorm(
         HAS_ROWS2=n_second > 0,
         BLOCK=triton.next_power_of_2(hidden),
         USE_PDL=pdl,
+        TP_RANK=peer.rank if peer else -1,
         num_warps=4 if hidden <= 4096 else 8,
         launch_pdl=pdl,
     )

@@ -30,7 +30,7 @@ import torch
 
 from blink_appliance.kernels.activation import silu_and_mul
 from blink_appliance.kernels.paged_attention import FusedRope, paged_attention
-from blink_appliance.kernels.rmsnorm import add_rmsnorm
+from blink_appliance.kernels.rmsnorm import PeerShare, add_rmsnorm
 from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables
 from blink_appliance.kernels.skinny_gemm import skinny_gemm
 from blink_appliance.kernels.split_kv import split_partials
@@ -47,6 +47,7 @@ from blink_appliance.model.launch_plans import (
 )
 from blink_appliance.model.llama import rope_inv_freq
 from blink_appliance.model.step_inputs import StepInputs
+from blink_appliance.model.tensor_parallel import RankLink
 
 
 class GpuForward:
@@ -70,6 +71,7 @@ class GpuForward:
         gemm_plan: Callable[[int, ModelConfig], DecodeGemms] = decode_gemms,
         attention_plan: Callable[[int, ModelConfig], AttentionConfig] = attention_config,
         score_rows: int = 0,
+        tp_rank: int | None = None,
     ) -> None:
         c = config
         self.config = c
@@ -106,6 +108,10 @@ class GpuForward:
         self._qkv = buf(T, c.q_size + 2 * c.kv_size)
         self._attn = buf(T, c.q_size)
         self._proj = buf(T, H)  # output of o_proj and of down_proj: the next add's input
+        # Tensor parallelism (model/tensor_parallel.py; `config` is then this rank's shard): down gets
+        # its own output, since the peer may still read O's when this rank's down writes.
+        self.tp = RankLink.allocate(tp_rank, c.num_layers, self.device) if tp_rank is not None else None
+        self._proj_mlp = buf(T, H) if self.tp else self._proj
         self._gate_up = buf(T, 2 * c.intermediate_size)
         self._act = buf(T, c.intermediate_size)
         self._final = buf(max_seqs, H)
@@ -126,6 +132,8 @@ class GpuForward:
         plans = [(t, self._gemms(t)) for t in range(1, T + 1)]
         if self._residual.dtype != torch.float32 and any(g.accumulates for _, g in plans):
             raise ValueError("a GEMM plan that accumulates into the residual stream needs residual_fp32")
+        if self.tp and any(g.accumulates for _, g in plans):
+            raise ValueError("tensor parallelism needs a GEMM plan without atomics (deterministic_gemms)")
 
         def partials(name: str, width: int, min_split: int) -> torch.Tensor | None:
             """fp32 split-K scratch for one projection, sized for the bucket that needs the most."""
@@ -193,6 +201,23 @@ class GpuForward:
         out = self._split_out(scratch, launch, T, H) if launch is not None and launch.split_k > 1 else proj
         return out, out
 
+    def _shares(self, T: int, g: DecodeGemms) -> tuple[torch.Tensor, ...]:
+        """Where O and down write this step and what the norms after them add: o_out, o_sum,
+        mlp_out, mlp_sum."""
+        h = self._residual[:T]
+        o_out, o_sum = self._residual_add(g.o, self._o_parts, h, self._proj[:T])
+        mlp_out, mlp_sum = self._residual_add(g.down, self._down_parts, h, self._proj_mlp[:T])
+        return o_out, o_sum, mlp_out, mlp_sum
+
+    def _peer(self, share: torch.Tensor | None, point: int) -> PeerShare | None:
+        """The peer's share for the norm at flag `point` (None without tensor parallelism)."""
+        if self.tp is None:
+            return None
+        if self.tp.peer is None and not self.tp.solo:
+            raise RuntimeError("a tensor-parallel forward runs only once connected to its peer (connect)")
+        peer_flags = self.tp.flags if self.tp.solo else self.tp.peer.tp.flags
+        return PeerShare(self.tp.rank, share, self.tp.flags, peer_flags, self.tp.epoch, point)
+
     def num_sample_rows(self, num_tokens: int) -> int:
         return min(num_tokens, self.max_seqs)
 
@@ -208,21 +233,30 @@ class GpuForward:
         R = self.num_sample_rows(T)
         eps = c.rms_norm_eps
         h, x, qkv, attn = self._residual[:T], self._normed[:T], self._qkv[:T], self._attn[:T]
-        proj, gate_up, act = self._proj[:T], self._gate_up[:T], self._act[:T]
+        gate_up, act = self._gate_up[:T], self._act[:T]
         positions, slots = inp.positions[:T], inp.slot_mapping[:T]
         ac = self.attention_plan(T, c)
         g = self._gemms(T)
         o_parts = g.o.split_k if g.o else 1
         down_parts = g.down.split_k if g.down else 1
-        o_out, o_sum = self._residual_add(g.o, self._o_parts, h, proj)
-        mlp_out, mlp_sum = self._residual_add(g.down, self._down_parts, h, proj)
+        o_out, o_sum, mlp_out, mlp_sum = self._shares(T, g)
+        peer_o = peer_mlp = None
+        if self.tp is not None:
+            self.tp.epoch.add_(1)  # both ranks count steps alike; a flag holds the step it was set in
+            if self.tp.solo:  # warming up alone (tensor_parallel.warm_alone): its own share stands in
+                peer_o, peer_mlp = o_sum, mlp_sum
+            elif self.tp.peer is not None:
+                _, peer_o, _, peer_mlp = self.tp.peer._shares(T, g)
 
         ids = inp.input_ids[:T]
         for i, layer in enumerate(w.layers):
             if i == 0:  # the stream starts as the token embeddings, gathered by the norm itself
                 add_rmsnorm(w.embed, layer.input_norm, x, eps, residual=h, residual_in=False, x_rows=ids)
             else:
-                add_rmsnorm(mlp_sum, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl)
+                add_rmsnorm(
+                    mlp_sum, layer.input_norm, x, eps, residual=h, x_parts=down_parts, pdl=self.pdl,
+                    peer=self._peer(peer_mlp, 2 * i - 1),
+                )  # fmt: skip
             qkv_parts = bias = None
             if g.qkv:  # split-K partials; RoPE sums them (and adds the bias)
                 qkv_parts = self._split_out(self._qkv_parts, g.qkv, T, qkv.shape[1])
@@ -253,7 +287,10 @@ class GpuForward:
                 skinny_gemm(attn, layer.o_proj, o_out, **g.o.kernel_args(), pdl=self.pdl)
             else:
                 torch.mm(attn, layer.o_proj.t(), out=o_out)
-            add_rmsnorm(o_sum, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl)
+            add_rmsnorm(
+                o_sum, layer.post_norm, x, eps, residual=h, x_parts=o_parts, pdl=self.pdl,
+                peer=self._peer(peer_o, 2 * i),
+            )  # fmt: skip
             # The MLP: silu(gate)*up lands in `act` (from the gate+up GEMM's epilogue, or its own
             # kernel), unless the down GEMM computes it in its prologue from `gate_up`.
             if g.silu_in_gate_up:
@@ -279,8 +316,10 @@ class GpuForward:
         add_rmsnorm(
             mlp_sum, w.norm, final, eps, residual=h, write_residual=False, rows=inp.sample_rows[:R],
             x_parts=down_parts, pdl=self.pdl, rows2=inp.score_rows[:P] if P else None,
-            out2=self.score_final if P else None,
+            out2=self.score_final if P else None, peer=self._peer(peer_mlp, 2 * len(w.layers) - 1),
         )  # fmt: skip
+        if self.tp is not None and self.tp.rank != 0:
+            return self.logits[:R]  # rank 0 alone computes the logits
         return self._lm_head(final, self.logits[:R], self._logits_lp)
 
     def score(self) -> torch.Tensor:
