@@ -175,7 +175,7 @@ class DeviceLoop:
         *,
         num_active: torch.Tensor,
         keep_running: torch.Tensor,
-        ring: RingWords,
+        ring: RingWords | None,
         control: LoopControl,
         backoff: Backoff = Backoff(),
     ) -> None:
@@ -192,7 +192,9 @@ class DeviceLoop:
         def wait() -> None:
             control.wait_for_work(num_active, ring, backoff)
 
-        self.plan = plan_body([wait, *body])
+        # Without a ring (a tensor-parallel follower, engine/loop/plan_link.py) the body's own first
+        # launch waits, for the leader's plan.
+        self.plan = plan_body([wait, *body] if ring is not None else list(body))
         self._captures: list[torch.cuda.CUDAGraph] = []  # their graphs and pool back our clones
         self._pool = torch.cuda.graph_pool_handle()
         self._graph = None
@@ -315,6 +317,8 @@ class DeviceLoop:
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Ask the loop to stop through the ring's shutdown word and wait for it to end."""
+        if self.ring is None:
+            raise RuntimeError("a follower loop has no ring: it stops when its leader does")
         self.ring.request_shutdown()
         if not self.join(timeout_s):
             raise TimeoutError(f"the device loop did not stop within {timeout_s} s of shutdown")
