@@ -251,8 +251,8 @@ class FrontendSection(_Section):
 
 EngineMode = Literal["reference", "loop", "host"]
 # Forward sizes captured by default (engine/loop/forward_graphs.py DEFAULT_BUCKETS), cut at the step budget.
-# 1, 2 and 4 share the 8-token bucket's kernels but read fewer activation rows (8B batch 1: 5.621 ->
-# 5.454 ms a step; bench/results/2026-11-28-h100-small-buckets.md).
+# 1, 2 and 4 take the 8-token bucket's launch plans over fewer rows (8B batch 1: 5.621 -> 5.454 ms a
+# step; bench/results/2026-11-28-h100-small-buckets.md).
 _DEFAULT_BUCKETS = (1, 2, 4, 8, 32, 128, 512, 2048)
 
 

@@ -62,7 +62,7 @@ def test_check_prints_the_loop_geometry_of_a_loop_profile(tmp_path, capsys):
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert (
-        "engine host: the GPU loop, 12 request slots, 4 sequences a step, forward buckets [8, 32, 64] tokens"
+        "engine host: the GPU loop, 12 request slots, 4 sequences a step, forward buckets [1, 2, 4, 8, 32, 64] tokens"
         in out
     )
     assert "http://127.0.0.1:8000 over shm" in out
