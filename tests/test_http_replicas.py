@@ -42,6 +42,19 @@ def finished_by_each_engine(app: LiveAppliance) -> list[int]:
     return out
 
 
+async def served_since(
+    app: LiveAppliance, before: list[int], total: int, timeout_s: float = 30.0
+) -> list[int]:
+    """Requests each engine finished since `before`, once they add up to `total` (or at the deadline).
+    An engine counts a request after publishing its last token, so the count can trail the response."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        served = [b - a for a, b in zip(before, finished_by_each_engine(app), strict=True)]
+        if sum(served) >= total or asyncio.get_running_loop().time() > deadline:
+            return served
+        await asyncio.sleep(0.02)
+
+
 async def test_two_replicas_serve_one_model_name_and_share_the_requests(replicated: LiveAppliance):
     assert "(model smollm2-135m-instruct x2;" in replicated.log()
     assert "engine of smollm2-135m-instruct (replica 2/2) is serving" in replicated.log()
@@ -58,8 +71,7 @@ async def test_two_replicas_serve_one_model_name_and_share_the_requests(replicat
     results = await asyncio.gather(*(one(k) for k in range(16)))
     await client.close()
     assert results == [("length", OUTPUT_TOKENS)] * 16
-    after = finished_by_each_engine(replicated)
-    served = [b - a for a, b in zip(before, after, strict=True)]
+    served = await served_since(replicated, before, 16)
     assert sum(served) == 16 and min(served) >= 4, served  # both engines took a share
     assert [m.id for m in openai.OpenAI(base_url=replicated.url + "/v1", api_key=API_KEY).models.list()] == [
         MODEL_NAME
