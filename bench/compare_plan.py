@@ -167,8 +167,10 @@ def appliance_profile(cfg: CompareConfig, mode: str, layout: CoreLayout, shm_nam
         f'mode = "{mode}"',
     ]
     if mode != "reference":
-        # Decode batches up to max_seqs get a bucket of their own; prefill chunks fill the rest.
-        buckets = sorted({b for b in (8, 32, cfg.max_seqs, 128, cfg.step_tokens) if b <= cfg.step_tokens})
+        # The shipped small buckets, and decode batches up to max_seqs get a bucket of their own;
+        # prefill chunks fill the rest.
+        sizes = (1, 2, 4, 8, 32, cfg.max_seqs, 128, cfg.step_tokens)
+        buckets = sorted({b for b in sizes if b <= cfg.step_tokens})
         lines += [f"num_slots = {2 * cfg.max_seqs}", f"buckets = {buckets}"]
     lines += [
         "",

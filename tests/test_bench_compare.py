@@ -59,7 +59,7 @@ def test_gpu_profiles_size_the_loop_for_64_concurrent_requests():
         profile = parse_profile(tomllib.loads(appliance_profile(cfg, mode, layout, "blink-test")))
         assert profile.engine_mode == mode and engine_errors(profile) == []
         assert profile.model.max_seqs == 64 and profile.num_slots == 128
-        assert profile.buckets == (8, 32, 64, 128, 512)  # a decode batch of 64 has its own graph
+        assert profile.buckets == (1, 2, 4, 8, 32, 64, 128, 512)  # a decode batch of 64 has its own graph
         assert profile.frontend.max_inflight == 128 and profile.frontend.cpus == [1, 2]
         assert profile.appliance.engine_cpus == [3] and profile.frontend.port == 0
         plan = resolve_plan(profile.model, config)
