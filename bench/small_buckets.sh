@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batch 1 through HTTP with the 1-, 2- and 4-token buckets (profile.py _DEFAULT_BUCKETS) against the
+# Batch 1 through HTTP with the 1-, 2- and 4-token buckets (profile.py DEFAULT_BUCKETS) against the
 # buckets before them (8 smallest), same call: 1B at the shipped geometry and at 32768/4096, 8B at the
 # shipped geometry. The old buckets are the new default with 1, 2 and 4 cut by sed in the device's copy.
 # Usage, on the GPU host with the tree installed: bash bench/small_buckets.sh OUT_DIR
@@ -13,8 +13,8 @@ sweep() {  # name, extra args
 }
 sweep new-1b --geometries 8192/1024/256/2048 32768/4096/256/2048
 sweep new-8b --model dummy:llama-3.1-8b --geometries 8192/1024/256/2048
-sed -i 's/^_DEFAULT_BUCKETS = (1, 2, 4, 8,/_DEFAULT_BUCKETS = (8,/' blink_appliance/profile.py
-grep -n "^_DEFAULT_BUCKETS" blink_appliance/profile.py
+sed -i 's/^DEFAULT_BUCKETS = (1, 2, 4, 8,/DEFAULT_BUCKETS = (8,/' blink_appliance/profile.py
+grep -n "^DEFAULT_BUCKETS" blink_appliance/profile.py
 sweep old-1b --geometries 8192/1024/256/2048
 sweep old-8b --model dummy:llama-3.1-8b --geometries 8192/1024/256/2048
-sed -i 's/^_DEFAULT_BUCKETS = (8,/_DEFAULT_BUCKETS = (1, 2, 4, 8,/' blink_appliance/profile.py
+sed -i 's/^DEFAULT_BUCKETS = (8,/DEFAULT_BUCKETS = (1, 2, 4, 8,/' blink_appliance/profile.py

@@ -250,10 +250,10 @@ class FrontendSection(_Section):
 
 
 EngineMode = Literal["reference", "loop", "host"]
-# Forward sizes captured by default (engine/loop/forward_graphs.py DEFAULT_BUCKETS), cut at the step budget.
-# 1, 2 and 4 take the 8-token bucket's launch plans over fewer rows (8B batch 1: 5.621 -> 5.454 ms a
-# step; bench/results/2026-11-28-h100-small-buckets.md).
-_DEFAULT_BUCKETS = (1, 2, 4, 8, 32, 128, 512, 2048)
+# Forward sizes captured by default, cut at the step budget (ForwardGraphs' default too). 1, 2 and 4
+# take the 8-token bucket's launch plans over fewer rows (8B batch 1: 5.621 -> 5.454 ms a step;
+# bench/results/2026-11-28-h100-small-buckets.md).
+DEFAULT_BUCKETS = (1, 2, 4, 8, 32, 128, 512, 2048)
 
 
 class EngineSection(_Section):
@@ -379,7 +379,7 @@ class Profile(_Section):
         if self.engine.buckets is not None:
             return tuple(self.engine.buckets)
         budget = self.models[index].max_num_batched_tokens
-        return tuple(b for b in _DEFAULT_BUCKETS if b < budget) + (budget,)
+        return tuple(b for b in DEFAULT_BUCKETS if b < budget) + (budget,)
 
     def with_overrides(self, *, host: str | None = None, port: int | None = None) -> Profile:
         """A copy with the front end's address replaced (validated like the file)."""

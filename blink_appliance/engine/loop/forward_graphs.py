@@ -14,8 +14,7 @@ import torch
 
 from blink_appliance.engine.loop.progress import stage
 from blink_appliance.model.gpu_forward import GpuForward
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 32, 128, 512, 2048)
+from blink_appliance.profile import DEFAULT_BUCKETS
 
 
 class ForwardGraphs:
