@@ -4,6 +4,9 @@
 # faulthandler_timeout, tp_forward's --hang-s) instead of eating the call.
 # Usage, on the GPU host from the repo root with the wheels in .whl/: bash bench/tp_check.sh OUT_DIR [model]
 set -uo pipefail
+# Every module loaded when the context starts, not at a kernel's first launch: a lazy load while one
+# rank spins on its peer is the hang this check looks for (warm_alone should already prevent it).
+export CUDA_MODULE_LOADING=EAGER
 out=${1:?OUT_DIR}
 model=${2:-llama-3.1-8b}
 mkdir -p "$out"
