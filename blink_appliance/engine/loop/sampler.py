@@ -62,7 +62,8 @@ from blink_appliance.kernels.sampling import (
     masked_logsumexp,
     race,
 )
-from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows, race_and_test
+from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows
+from blink_appliance.kernels.sampling_rounds import race_and_test
 
 CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
 RACE_CHUNK = 2048  # vocabulary entries per race program
