@@ -148,10 +148,10 @@ def _race_chunk(
 
 
 @triton.jit
-def _last_to_arrive(arrived_ptr, r, n_chunks):
-    """Count this chunk of row r done; True for the row's last one, which resets the count. The
-    atomic releases this program's partials and, for the last, acquires everyone else's."""
-    last = tl.atomic_add(arrived_ptr + r, 1, sem="acq_rel") == n_chunks - 1
+def _last_to_arrive(arrived_ptr, r, n_chunks, count):
+    """Count `count` chunks of row r done; True for the program that completes the row, which resets
+    the count. The atomic releases this program's partials and, for the last, acquires everyone else's."""
+    last = tl.atomic_add(arrived_ptr + r, count, sem="acq_rel") == n_chunks - count
     if last:
         tl.store(arrived_ptr + r, 0)
     return last
@@ -172,7 +172,7 @@ def _argmax_kernel(
             logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr, logits_ptr, V,
             n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
         )  # fmt: skip
-        if _last_to_arrive(arrived_ptr, r, n_chunks):
+        if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
             _pick_row(
                 r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
                 logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,

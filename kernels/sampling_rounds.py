@@ -1,8 +1,9 @@
-"""The rejection variant's rounds in one launch: a work queue over (task, chunk) items.
+"""The rejection variant's rounds in one launch: a work queue of passes over a row's chunks.
 
 A task is one pass of one row over its chunks: the first race (tasks [0, n_rows), implied), a race
-in a shrunken region, or a top-p test (queued). Persistent programs take items by ticket, in task
-order; the last chunk of a row's pass to arrive decides the row and queues its next pass, if any.
+in a shrunken region, or a top-p test (queued). Persistent programs take tickets of a few chunks
+each, in task order; the program that completes a row's pass decides the row and queues its next
+pass, if any.
 So rows still undecided cost what they read, with no launch, barrier or scan over settled rows
 between rounds, and one row's test overlaps other rows' races.
 
@@ -37,10 +38,11 @@ NEXT_TICKET = tl.constexpr(0)
 TAIL = tl.constexpr(1)
 SETTLED = tl.constexpr(2)
 OUT = tl.constexpr(3)
-# A queued task's kind (payload = row * 4 + kind); tasks [0, n_rows) are first races.
+# A task's kind (payload = row * 4 + kind); tasks [0, n_rows) are the rows' first races.
 FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
+TICKET_CHUNKS = 4  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 
 
 @triton.jit
@@ -95,68 +97,85 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _pass_chunks(
+    r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
+    counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
+    and queues what follows. A test's partial masses reuse part_sum: the row's first pick folded its
+    sums into row_lse."""
+    for c in range(start, stop):
+        if kind == TEST:
+            _mass_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_sum_ptr, V,
+                n_chunks, CHUNK, PRECISE,
+            )  # fmt: skip
+        elif kind == FIRST_RACE:
+            _race_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE,
+            )  # fmt: skip
+        else:
+            _race_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE,
+            )  # fmt: skip
+    if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
+        if kind == TEST:
+            status = _decide_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+                bound_i_ptr, candidate_ptr, part_sum_ptr, n_chunks, BLOCK_C, PRECISE,
+            )  # fmt: skip
+        elif kind == FIRST_RACE:
+            tl.store(races_ptr + r, 1)
+            status = _pick_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
+                PRECISE=PRECISE,
+            )  # fmt: skip
+        else:
+            status = _pick_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
+                PRECISE=PRECISE,
+            )  # fmt: skip
+        _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS)
+
+
+@triton.jit
 def _rounds_kernel(
     logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr,
+    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr,
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
-    # A test's partial masses reuse part_sum: the row's first pick folded its sums into row_lse.
-    part_mass_ptr = part_sum_ptr
-    running = n_rows >= 0
+    groups = tl.cdiv(n_chunks, GROUP)
+    running = n_rows > 0
     while running:
         ticket = tl.atomic_add(counters_ptr + NEXT_TICKET, 1, sem="relaxed")
-        task = ticket // n_chunks
-        c = ticket % n_chunks
+        task = ticket // groups
         payload = task * 4 + FIRST_RACE
         if task >= n_rows:
             payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP)
         running = payload >= 0
         if running:
-            r = payload // 4
-            kind = payload % 4
-            if kind == TEST:
-                _mass_chunk(
-                    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V,
-                    n_chunks, CHUNK, PRECISE,
-                )  # fmt: skip
-                if _last_to_arrive(arrived_ptr, r, n_chunks):
-                    status = _decide_row(
-                        r, logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-                        bound_i_ptr, candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C, PRECISE,
-                    )  # fmt: skip
-                    _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS)
-            elif kind == FIRST_RACE:
-                _race_chunk(
-                    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                    bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                    part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE,
-                )  # fmt: skip
-                if _last_to_arrive(arrived_ptr, r, n_chunks):
-                    tl.store(races_ptr + r, 1)
-                    status = _pick_row(
-                        r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                        bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                        part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True,
-                        ARGMAX=False, PRECISE=PRECISE,
-                    )  # fmt: skip
-                    _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS)
-            else:
-                _race_chunk(
-                    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                    bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                    part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE,
-                )  # fmt: skip
-                if _last_to_arrive(arrived_ptr, r, n_chunks):
-                    status = _pick_row(
-                        r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                        bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                        part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False,
-                        ARGMAX=False, PRECISE=PRECISE,
-                    )  # fmt: skip
-                    _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS)
+            start = (ticket % groups) * GROUP
+            _pass_chunks(
+                payload // 4, start, tl.minimum(start + GROUP, n_chunks), payload % 4, logits_ptr, stride,
+                temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V,
+                n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE,
+            )  # fmt: skip
     _leave(queue_ptr, counters_ptr, 256)
 
 
@@ -170,11 +189,14 @@ def race_and_test(
     rounds: int,
     programs: int,
     precise: bool,
+    ticket_chunks: int = TICKET_CHUNKS,
+    max_registers: int | None = None,
     finish_block: int = 2048,
 ) -> None:
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
     races per row (each followed by its top-p test) in one launch, then `finish` for any row still
-    undecided. Capturable: no host sync."""
+    undecided. `max_registers` caps the queue kernel's registers per thread (more programs per SM).
+    Capturable: no host sync."""
     S, V = logits.shape
     C = state.part_score.shape[1]
     if C != triton.cdiv(V, chunk):
@@ -188,8 +210,8 @@ def race_and_test(
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
         state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
         state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
-        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), PRECISE=precise,
-        SLEEP=logits.is_cuda, num_warps=4,
+        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
+        SLEEP=logits.is_cuda, num_warps=4, **({} if max_registers is None else {"maxnreg": max_registers}),
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
