@@ -143,24 +143,23 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
 
 
 def tune(vocab: int, device: str) -> list[dict]:
-    """The rejection variant's knobs at 64 rows on flat logits: rounds before the finisher, chunks a
-    ticket of its queue and a register cap (engine/loop/sampler.py REJECTION_ROUNDS,
-    kernels/sampling_rounds.py TICKET_CHUNKS), at 16 persistent programs per SM."""
+    """The rejection variant's queue knobs at 64 rows on flat logits: chunks a ticket, a register cap
+    and a waiting program's sleep (kernels/sampling_rounds.py), at the default rounds and programs."""
     rows, out = 64, []
     logits = logits_of("flat", rows, vocab, device)
     for mix in ("temperature 1.0", "temperature 0.7, top_p 0.9"):
         params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
         state = make_state(rows, vocab)
         load_rows(state, params, [r % 7 for r in range(rows)])
-        for rounds in (2, 3):
-            for ticket_chunks in (2, 4, 8):
-                for max_registers in (None, 64):
+        for ticket_chunks in (2, 4):
+            for max_registers in (None, 64):
+                for sleep_ns in (100, 1000):
                     sampler = DeviceSampler(
-                        state, logits, rejection_rounds=rounds, rejection_ticket_chunks=ticket_chunks,
-                        rejection_max_registers=max_registers,
+                        state, logits, rejection_ticket_chunks=ticket_chunks, rejection_max_registers=max_registers,
+                        rejection_sleep_ns=sleep_ns,
                     )  # fmt: skip
-                    row = {"mix": mix, "rounds": rounds, "ticket_chunks": ticket_chunks,
-                           "max_registers": max_registers, "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
+                    row = {"mix": mix, "ticket_chunks": ticket_chunks, "max_registers": max_registers,
+                           "sleep_ns": sleep_ns, "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
                     out.append(row)
                     print(json.dumps(row), flush=True)
     return out

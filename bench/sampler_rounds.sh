@@ -11,7 +11,7 @@ parts=${*:-sampler loop}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 run() {  # name, rows, sampler_profile's other options
   if [[ $parts == *sampler* ]]; then
-    timeout 300 python3 bench/sampler_profile.py --rows "$2" --out "$out/$1-sampler" $3 2>&1 | grep -v -i warn \
+    timeout 420 python3 bench/sampler_profile.py --rows "$2" --out "$out/$1-sampler" $3 2>&1 | grep -v -i warn \
       | grep "^|\|ticket_chunks" | grep -v "full ms"
   fi
   if [[ $parts == *loop* ]]; then
@@ -19,7 +19,7 @@ run() {  # name, rows, sampler_profile's other options
       --no-loop --out "$out/$1-loop.json" 2>&1 | grep -v -i warn | tail -6
   fi
 }
-run queue 1,64 --tune
+run queue 64 --tune
 cp kernels/sampling_rejection.py blink_appliance/engine/loop/sampler.py tests/test_device_sampler.py "$out/"
 cp .ab/old/sampling_rejection.py kernels/ && cp .ab/old/sampler.py blink_appliance/engine/loop/ \
   && cp .ab/old/test_device_sampler.py tests/ && echo "--- before (a launch per pass)"

@@ -51,7 +51,9 @@ class RejectionRows:
     arrived: torch.Tensor  # [S] int32: chunks of the row done in this pass; the last one resets it to 0
     races: torch.Tensor  # [S] int32: chunked races the row has had this step
     queue: torch.Tensor  # [S * QUEUE_SLOTS_PER_ROW] int32: tasks after the first races, -1 = not yet
-    counters: torch.Tensor  # [4] int32: the queue's next ticket, tail, rows settled, programs out
+    counters: (
+        torch.Tensor
+    )  # [128] int32: the queue's next ticket, tail, rows settled, programs out (32 apart)
 
     @classmethod
     def allocate(cls, rows: int, chunks: int, device: torch.device) -> RejectionRows:
@@ -68,7 +70,7 @@ class RejectionRows:
             arrived=torch.zeros(rows, dtype=torch.int32, device=device),
             races=torch.zeros(rows, dtype=torch.int32, device=device),
             queue=torch.full((rows * QUEUE_SLOTS_PER_ROW,), -1, dtype=torch.int32, device=device),
-            counters=torch.zeros(4, dtype=torch.int32, device=device),
+            counters=torch.zeros(128, dtype=torch.int32, device=device),
         )  # fmt: skip
 
 

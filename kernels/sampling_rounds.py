@@ -33,29 +33,35 @@ from blink_appliance.kernels.sampling_rejection import (
     _race_chunk,
 )
 
-# RejectionRows.counters
+# RejectionRows.counters, a 128-byte line each: the programs waiting on SETTLED don't slow the takes
+# of NEXT_TICKET.
 NEXT_TICKET = tl.constexpr(0)
-TAIL = tl.constexpr(1)
-SETTLED = tl.constexpr(2)
-OUT = tl.constexpr(3)
+TAIL = tl.constexpr(32)
+SETTLED = tl.constexpr(64)
+OUT = tl.constexpr(96)
 # A task's kind (payload = row * 4 + kind); tasks [0, n_rows) are the rows' first races.
 FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
+SLEEP_NS = 100  # a waiting program's pause between looks at the queue
 TICKET_CHUNKS = 4  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 
 
 @triton.jit
-def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP: tl.constexpr):
+def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP_NS: tl.constexpr):
     """The payload queued at `slot`, once it is; -1 when every row has settled first (so none will
-    be). Spins on plain loads, sleeping 100 ns between them (SLEEP, on a GPU) so that waiting warps leave the issue
-    slots to working ones; the acquire after it makes the row state its producer wrote visible."""
+    be). Spins on plain loads, sleeping SLEEP_NS between them (on a GPU) so that waiting warps leave the issue
+    slots and the counters' lines to working ones; the acquire after it makes the row state its producer wrote visible."""
     payload = tl.full([], -1, tl.int32)
     waiting = payload < 0
     while waiting:
-        if SLEEP:
+        if SLEEP_NS == 100:
             tl.inline_asm_elementwise(
                 "nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
+        elif SLEEP_NS == 1000:
+            tl.inline_asm_elementwise(
+                "nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
             )
         if slot < queue_size:
             payload = tl.load(queue_ptr + slot, volatile=True)
@@ -93,7 +99,7 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
         for start in range(0, tail, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             tl.store(queue_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < tail)
-        tl.store(counters_ptr + tl.arange(0, 4), tl.zeros([4], tl.int32))
+        tl.store(counters_ptr + tl.arange(0, 4) * 32, tl.zeros([4], tl.int32))
 
 
 @triton.jit
@@ -155,7 +161,7 @@ def _rounds_kernel(
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr,
+    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP_NS: tl.constexpr,
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
     groups = tl.cdiv(n_chunks, GROUP)
@@ -165,7 +171,7 @@ def _rounds_kernel(
         task = ticket // groups
         payload = task * 4 + FIRST_RACE
         if task >= n_rows:
-            payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP)
+            payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP_NS)
         running = payload >= 0
         if running:
             start = (ticket % groups) * GROUP
@@ -191,6 +197,7 @@ def race_and_test(
     precise: bool,
     ticket_chunks: int = TICKET_CHUNKS,
     max_registers: int | None = None,
+    sleep_ns: int = SLEEP_NS,
     finish_block: int = 2048,
 ) -> None:
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
@@ -203,6 +210,8 @@ def race_and_test(
         raise ValueError(
             f"partials have {C} chunks; vocab {V} in chunks of {chunk} needs {triton.cdiv(V, chunk)}"
         )
+    if sleep_ns not in (0, 100, 1000):
+        raise ValueError(f"a waiting program sleeps 0, 100 or 1000 ns, not {sleep_ns}")
     if not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
     _rounds_kernel[(_persistent(S * C, programs),)](
@@ -211,7 +220,7 @@ def race_and_test(
         state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
         state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
         CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
-        SLEEP=logits.is_cuda, num_warps=4, **({} if max_registers is None else {"maxnreg": max_registers}),
+        SLEEP_NS=sleep_ns if logits.is_cuda else 0, num_warps=4, **({} if max_registers is None else {"maxnreg": max_registers}),
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
