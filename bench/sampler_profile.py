@@ -151,9 +151,9 @@ def tune(vocab: int, device: str) -> list[dict]:
         params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
         state = make_state(rows, vocab)
         load_rows(state, params, [r % 7 for r in range(rows)])
-        for ticket_chunks in (2, 4):
-            for max_registers in (None, 64):
-                for sleep_ns in (100, 1000):
+        for ticket_chunks in (2,):
+            for max_registers in (48, 56, 64):
+                for sleep_ns in (1000,):
                     sampler = DeviceSampler(
                         state, logits, rejection_ticket_chunks=ticket_chunks, rejection_max_registers=max_registers,
                         rejection_sleep_ns=sleep_ns,

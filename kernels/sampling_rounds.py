@@ -43,8 +43,9 @@ OUT = tl.constexpr(96)
 FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
-SLEEP_NS = 100  # a waiting program's pause between looks at the queue
-TICKET_CHUNKS = 4  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
+SLEEP_NS = 1000  # a waiting program's pause between looks at the queue (sampler_profile --tune)
+TICKET_CHUNKS = 2  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
+MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80)
 
 
 @triton.jit
@@ -196,7 +197,7 @@ def race_and_test(
     programs: int,
     precise: bool,
     ticket_chunks: int = TICKET_CHUNKS,
-    max_registers: int | None = None,
+    max_registers: int | None = MAX_REGISTERS,
     sleep_ns: int = SLEEP_NS,
     finish_block: int = 2048,
 ) -> None:
@@ -214,13 +215,14 @@ def race_and_test(
         raise ValueError(f"a waiting program sleeps 0, 100 or 1000 ns, not {sleep_ns}")
     if not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
+    registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
     _rounds_kernel[(_persistent(S * C, programs),)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
         state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
         state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
         CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
-        SLEEP_NS=sleep_ns if logits.is_cuda else 0, num_warps=4, **({} if max_registers is None else {"maxnreg": max_registers}),
+        SLEEP_NS=sleep_ns if logits.is_cuda else 0, num_warps=4, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,

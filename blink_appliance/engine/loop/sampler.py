@@ -63,7 +63,7 @@ from blink_appliance.kernels.sampling import (
     race,
 )
 from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows
-from blink_appliance.kernels.sampling_rounds import SLEEP_NS, TICKET_CHUNKS, race_and_test
+from blink_appliance.kernels.sampling_rounds import MAX_REGISTERS, SLEEP_NS, TICKET_CHUNKS, race_and_test
 
 CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
 RACE_CHUNK = 2048  # vocabulary entries per race program
@@ -92,7 +92,7 @@ class DeviceSampler:
         rejection_rounds: int = REJECTION_ROUNDS,
         programs_per_sm: int = PROGRAMS_PER_SM,
         rejection_ticket_chunks: int = TICKET_CHUNKS,
-        rejection_max_registers: int | None = None,
+        rejection_max_registers: int | None = MAX_REGISTERS,
         rejection_sleep_ns: int = SLEEP_NS,
         logprobs: DeviceLogprobs | None = None,
         penalties: DevicePenalties | None = None,
