@@ -143,23 +143,24 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
 
 
 def tune(vocab: int, device: str) -> list[dict]:
-    """The rejection variant's queue knobs at 64 rows on flat logits: chunks a ticket, a register cap
-    and a waiting program's sleep (kernels/sampling_rounds.py), at the default rounds and programs."""
+    """The rejection variant's knobs at 64 rows on flat logits: its chunk, chunks a ticket of its queue
+    and a register cap (engine/loop/sampler.py REJECTION_CHUNK, kernels/sampling_rounds.py), at the
+    default rounds, programs and sleep."""
     rows, out = 64, []
     logits = logits_of("flat", rows, vocab, device)
     for mix in ("temperature 1.0", "temperature 0.7, top_p 0.9"):
         params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
         state = make_state(rows, vocab)
         load_rows(state, params, [r % 7 for r in range(rows)])
-        for ticket_chunks in (2,):
-            for max_registers in (48, 56, 64):
-                for sleep_ns in (1000,):
+        for chunk in (1024, 2048):
+            for ticket_chunks in (1, 2):
+                for max_registers in (64,):
                     sampler = DeviceSampler(
-                        state, logits, rejection_ticket_chunks=ticket_chunks, rejection_max_registers=max_registers,
-                        rejection_sleep_ns=sleep_ns,
+                        state, logits, rejection_chunk=chunk, rejection_ticket_chunks=ticket_chunks,
+                        rejection_max_registers=max_registers,
                     )  # fmt: skip
-                    row = {"mix": mix, "ticket_chunks": ticket_chunks, "max_registers": max_registers,
-                           "sleep_ns": sleep_ns, "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
+                    row = {"mix": mix, "chunk": chunk, "ticket_chunks": ticket_chunks, "max_registers": max_registers,
+                           "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
                     out.append(row)
                     print(json.dumps(row), flush=True)
     return out

@@ -111,6 +111,14 @@ def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _best_score(x, idx, start, region, seed, out_index, PRECISE: tl.constexpr):
+    """The chunk's best race score in the region and its index (ties: the lowest), in one reduction."""
+    score = tl.where(region, _gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
+    best, arg = tl.max(score, 0, return_indices=True)
+    return best, start + arg
+
+
+@triton.jit
 def _race_chunk(
     r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
     row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
@@ -124,8 +132,8 @@ def _race_chunk(
     out = r * n_chunks + c
     t = tl.load(temperature_ptr + r)
     if ARGMAX or t <= 0.0:
-        best = tl.max(raw, 0)
-        best_index = c * CHUNK + tl.argmax(raw, 0)
+        best, arg = tl.max(raw, 0, return_indices=True)  # ties: the lowest index, as argmax
+        best_index = c * CHUNK + arg
     else:
         x = tl.where(inb, _scaled(raw, t, PRECISE), float("-inf"))
         if FIRST:
@@ -138,13 +146,15 @@ def _race_chunk(
             region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
             floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
             region = region & (x >= floor)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_index = c * CHUNK
-        if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
-            score = _gumbel(x, idx, tl.load(seed_ptr + r), tl.load(out_index_ptr + r), PRECISE)
-            score = tl.where(region, score, float("-inf"))
-            best = tl.max(score, 0)
-            best_index = c * CHUNK + tl.argmax(score, 0)
+        seed = tl.load(seed_ptr + r)
+        out_index = tl.load(out_index_ptr + r)
+        if FIRST:  # the whole row is the region
+            best, best_index = _best_score(x, idx, c * CHUNK, region, seed, out_index, PRECISE)
+        else:
+            best = tl.full([], float("-inf"), tl.float32)
+            best_index = c * CHUNK
+            if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
+                best, best_index = _best_score(x, idx, c * CHUNK, region, seed, out_index, PRECISE)
     tl.store(part_score_ptr + out, best)
     tl.store(part_index_ptr + out, best_index.to(tl.int64))
 
