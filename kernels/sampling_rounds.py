@@ -44,7 +44,7 @@ FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
 SLEEP_NS = 1000  # a waiting program's pause between looks at the queue (sampler_profile --tune)
-TICKET_CHUNKS = 2  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
+TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80)
 
 
