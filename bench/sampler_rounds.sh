@@ -2,7 +2,9 @@
 # The rejection variant's rounds as one queued launch (kernels/sampling_rounds.py) against the launch
 # per pass before it, same call: the sampler alone (sampler_profile.py: tokens against the reference,
 # graph replay) and/or the step at the shipped geometry, batch 64, greedy and sampled (loop_profile.py,
-# host-driven). The old kernels come from .ab/old (git show of the commit before; carried).
+# host-driven). The old kernels come from .ab/old, carried (ignored through .git/info/exclude), made with
+#   mkdir -p .ab/old; for f in kernels/sampling_rejection.py blink_appliance/engine/loop/sampler.py \
+#     tests/test_device_sampler.py; do git show 4fed321:$f > .ab/old/$(basename $f); done
 # Usage, on the GPU host with the tree installed: bash bench/sampler_rounds.sh OUT_DIR [sampler|loop]...
 set -uo pipefail
 out=${1:?OUT_DIR}
