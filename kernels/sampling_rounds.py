@@ -3,9 +3,8 @@
 A task is one pass of one row over its chunks: the first race (tasks [0, n_rows), implied), a race
 in a shrunken region, or a top-p test (queued). Persistent programs take tickets of a few chunks
 each, in task order; the program that completes a row's pass decides the row and queues its next
-pass, if any.
-So rows still undecided cost what they read, with no launch, barrier or scan over settled rows
-between rounds, and one row's test overlaps other rows' races.
+pass, if any. So rows still undecided cost what they read, with no launch, barrier or scan over
+settled rows between rounds, and one row's test overlaps other rows' races.
 
 A program whose ticket names a task not queued yet waits for it, or for every row to settle. That
 cannot deadlock: a ticket is only taken by a running program, and a task is queued once its row's
@@ -45,14 +44,15 @@ RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
 SLEEP_NS = 1000  # a waiting program's pause between looks at the queue (sampler_profile --tune)
 TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
-MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80)
+MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80-96, 5-6 an SM)
 
 
 @triton.jit
 def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP_NS: tl.constexpr):
     """The payload queued at `slot`, once it is; -1 when every row has settled first (so none will
-    be). Spins on plain loads, sleeping SLEEP_NS between them (on a GPU) so that waiting warps leave the issue
-    slots and the counters' lines to working ones; the acquire after it makes the row state its producer wrote visible."""
+    be). Spins on plain loads, sleeping SLEEP_NS between them (on a GPU) so that waiting warps leave
+    the issue slots and the counters' lines to working ones; the acquire after it makes the row state
+    its producer wrote visible."""
     payload = tl.full([], -1, tl.int32)
     waiting = payload < 0
     while waiting:
