@@ -143,21 +143,26 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
 
 
 def tune(vocab: int, device: str) -> list[dict]:
-    """The rejection variant's knobs at 64 rows on flat logits: rounds before the finisher, and
-    persistent programs per SM (engine/loop/sampler.py REJECTION_ROUNDS, PROGRAMS_PER_SM)."""
+    """The rejection variant's knobs at 64 rows on flat logits: its chunk, chunks a ticket of its queue
+    and a register cap (engine/loop/sampler.py REJECTION_CHUNK, kernels/sampling_rounds.py), at the
+    default rounds, programs and sleep."""
     rows, out = 64, []
     logits = logits_of("flat", rows, vocab, device)
     for mix in ("temperature 1.0", "temperature 0.7, top_p 0.9"):
         params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
         state = make_state(rows, vocab)
         load_rows(state, params, [r % 7 for r in range(rows)])
-        for rounds in (1, 2, 3):
-            for per_sm in (2, 4, 8, 16):
-                sampler = DeviceSampler(state, logits, rejection_rounds=rounds, programs_per_sm=per_sm)
-                row = {"mix": mix, "rounds": rounds, "programs_per_sm": per_sm,
-                       "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
-                out.append(row)
-                print(json.dumps(row), flush=True)
+        for chunk in (1024, 2048):
+            for ticket_chunks in (1, 2):
+                for max_registers in (64,):
+                    sampler = DeviceSampler(
+                        state, logits, rejection_chunk=chunk, rejection_ticket_chunks=ticket_chunks,
+                        rejection_max_registers=max_registers,
+                    )  # fmt: skip
+                    row = {"mix": mix, "chunk": chunk, "ticket_chunks": ticket_chunks, "max_registers": max_registers,
+                           "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
+                    out.append(row)
+                    print(json.dumps(row), flush=True)
     return out
 
 

@@ -14,8 +14,9 @@ the race winner over the kept set is found by racing over a *region* that holds 
 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
-bound_i), 2 top-p test of the candidate pending. After the chunked rounds, `finish` loops the rare
-rows still undecided, one program per row.
+bound_i), 2 top-p test of the candidate pending. This module has the chunk-level steps; one launch
+runs them as a work queue (kernels/sampling_rounds.py), and `finish` then loops the rare rows still
+undecided, one program per row.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from blink_appliance.kernels.sampling import GAMMA, _exp, _log, _mix
 from triton.language.extra import libdevice
 
 FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
+MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
+QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS  # a row queues at most a test per race and a race per test
 
 
 @dataclass
@@ -46,6 +49,11 @@ class RejectionRows:
     part_max: torch.Tensor  # [S, C] fp32
     part_sum: torch.Tensor  # [S, C] fp32: sum of exp(x - part_max) over the chunk
     arrived: torch.Tensor  # [S] int32: chunks of the row done in this pass; the last one resets it to 0
+    races: torch.Tensor  # [S] int32: chunked races the row has had this step
+    queue: torch.Tensor  # [S * QUEUE_SLOTS_PER_ROW] int32: tasks after the first races, -1 = not yet
+    counters: (
+        torch.Tensor
+    )  # [128] int32: the queue's next ticket, tail, rows settled, programs out (32 apart)
 
     @classmethod
     def allocate(cls, rows: int, chunks: int, device: torch.device) -> RejectionRows:
@@ -60,6 +68,9 @@ class RejectionRows:
             row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), part_score=f32(rows, chunks),
             part_index=i64(rows, chunks), part_max=f32(rows, chunks), part_sum=f32(rows, chunks),
             arrived=torch.zeros(rows, dtype=torch.int32, device=device),
+            races=torch.zeros(rows, dtype=torch.int32, device=device),
+            queue=torch.full((rows * QUEUE_SLOTS_PER_ROW,), -1, dtype=torch.int32, device=device),
+            counters=torch.zeros(128, dtype=torch.int32, device=device),
         )  # fmt: skip
 
 
@@ -100,6 +111,14 @@ def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _best_score(x, idx, start, region, seed, out_index, PRECISE: tl.constexpr):
+    """The chunk's best race score in the region and its index (ties: the lowest), in one reduction."""
+    score = tl.where(region, _gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
+    best, arg = tl.max(score, 0, return_indices=True)
+    return best, start + arg
+
+
+@triton.jit
 def _race_chunk(
     r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
     row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
@@ -113,8 +132,8 @@ def _race_chunk(
     out = r * n_chunks + c
     t = tl.load(temperature_ptr + r)
     if ARGMAX or t <= 0.0:
-        best = tl.max(raw, 0)
-        best_index = c * CHUNK + tl.argmax(raw, 0)
+        best, arg = tl.max(raw, 0, return_indices=True)  # ties: the lowest index, as argmax
+        best_index = c * CHUNK + arg
     else:
         x = tl.where(inb, _scaled(raw, t, PRECISE), float("-inf"))
         if FIRST:
@@ -127,52 +146,50 @@ def _race_chunk(
             region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
             floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
             region = region & (x >= floor)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_index = c * CHUNK
-        if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
-            score = _gumbel(x, idx, tl.load(seed_ptr + r), tl.load(out_index_ptr + r), PRECISE)
-            score = tl.where(region, score, float("-inf"))
-            best = tl.max(score, 0)
-            best_index = c * CHUNK + tl.argmax(score, 0)
+        seed = tl.load(seed_ptr + r)
+        out_index = tl.load(out_index_ptr + r)
+        if FIRST:  # the whole row is the region
+            best, best_index = _best_score(x, idx, c * CHUNK, region, seed, out_index, PRECISE)
+        else:
+            best = tl.full([], float("-inf"), tl.float32)
+            best_index = c * CHUNK
+            if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
+                best, best_index = _best_score(x, idx, c * CHUNK, region, seed, out_index, PRECISE)
     tl.store(part_score_ptr + out, best)
     tl.store(part_index_ptr + out, best_index.to(tl.int64))
 
 
 @triton.jit
-def _last_to_arrive(arrived_ptr, r, n_chunks):
-    """Count this chunk of row r done; True for the row's last one, which resets the count. The
-    atomic releases this program's partials and, for the last, acquires everyone else's."""
-    last = tl.atomic_add(arrived_ptr + r, 1, sem="acq_rel") == n_chunks - 1
+def _last_to_arrive(arrived_ptr, r, n_chunks, count):
+    """Count `count` chunks of row r done; True for the program that completes the row, which resets
+    the count. The atomic releases this program's partials and, for the last, acquires everyone else's."""
+    last = tl.atomic_add(arrived_ptr + r, count, sem="acq_rel") == n_chunks - count
     if last:
         tl.store(arrived_ptr + r, 0)
     return last
 
 
 @triton.jit
-def _race_region_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
-    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, V, n_chunks,
-    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
-    PRECISE: tl.constexpr,
+def _argmax_kernel(
+    logits_ptr, stride, n_rows_ptr, sampled_ptr, status_ptr, part_score_ptr, part_index_ptr, arrived_ptr,
+    V, n_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Persistent over the (row, chunk) items of the step's rows: rows past n_rows cost nothing. The
     last chunk of a row to finish picks its winner, so the pick costs no launch of its own."""
     n_items = tl.load(n_rows_ptr) * n_chunks
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         r = item // n_chunks
-        if FIRST or tl.load(status_ptr + r) == 1:
-            _race_chunk(
-                r, item % n_chunks, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                part_sum_ptr, V, n_chunks, CHUNK, FIRST, ARGMAX, PRECISE,
+        _race_chunk(
+            r, item % n_chunks, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr,
+            logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr, logits_ptr, V,
+            n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
+        )  # fmt: skip
+        if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
+            _pick_row(
+                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
+                logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,
+                logits_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False,
             )  # fmt: skip
-            if _last_to_arrive(arrived_ptr, r, n_chunks):
-                _pick_row(
-                    r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                    bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                    part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST, ARGMAX, PRECISE,
-                )  # fmt: skip
 
 
 @triton.jit
@@ -209,17 +226,16 @@ def _pick_row(
     PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
-    min-p test. The first round also sets the row's max and logsumexp. Partials are read past L1:
-    other SMs wrote them."""
+    min-p test; returns the row's new status. The first round also sets the row's max and
+    logsumexp. Partials are read past L1: other SMs wrote them."""
     offs = tl.arange(0, BLOCK_C)
     m = offs < n_chunks
     scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
     w = tl.load(part_index_ptr + r * n_chunks + tl.argmax(scores, 0), cache_modifier=".cg")
     t = tl.load(temperature_ptr + r)
-    if ARGMAX or t <= 0.0:
-        tl.store(sampled_ptr + r, w)
-        tl.store(status_ptr + r, 0)
-    else:
+    status = tl.full([], 0, tl.int32)
+    x_w = tl.full([], 0.0, tl.float32)
+    if not ARGMAX and t > 0.0:
         if FIRST:
             part_max = tl.load(
                 part_max_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg"
@@ -234,64 +250,50 @@ def _pick_row(
                 tl.store(row_lse_ptr + r, hi + _log(tl.sum(scaled, 0), PRECISE))
             tl.store(bound_x_ptr + r, float("inf"))
             tl.store(bound_i_ptr + r, 9223372036854775807)
-        if tl.max(scores, 0) == float("-inf"):  # an empty region (NaN logits): keep the winner
-            tl.store(sampled_ptr + r, w)
-            tl.store(status_ptr + r, 0)
+            row_max = hi
         else:
+            row_max = tl.load(row_max_ptr + r)
+        if tl.max(scores, 0) > float("-inf"):  # an empty region (NaN logits) keeps the winner
             x_w = _scaled(tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), t, PRECISE)
-            status = _verdict(x_w, tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), tl.load(top_p_ptr + r),
-                              PRECISE)  # fmt: skip
-            _store_verdict(
-                r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr
-            )
+            status = _verdict(x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), PRECISE)
+    _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
+    return status
 
 
 @triton.jit
-def _mass_ahead_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-    bound_i_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, arrived_ptr, V, n_chunks,
-    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+def _mass_chunk(
+    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Per (row, chunk) of rows under the top-p test: the probability mass ranked before the
-    candidate. The last chunk of a row to finish decides the row (`_decide_row`)."""
-    n_items = tl.load(n_rows_ptr) * n_chunks
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        r = item // n_chunks
-        c = item % n_chunks
-        if tl.load(status_ptr + r) == 2:
-            row = logits_ptr + tl.cast(r, tl.int64) * stride
-            t = tl.load(temperature_ptr + r)
-            w = tl.load(candidate_ptr + r)
-            x_w = _scaled(tl.load(row + w), t, PRECISE)
-            idx = c * CHUNK + tl.arange(0, CHUNK)
-            inb = idx < V
-            x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
-            ahead = inb & _ahead(x, idx, x_w, w)
-            q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
-            tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
-            if _last_to_arrive(arrived_ptr, r, n_chunks):
-                _decide_row(
-                    r, x_w, w, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, part_mass_ptr,
-                    n_chunks, BLOCK_C,
-                )  # fmt: skip
+    """Chunk c of row r under the top-p test: the probability mass ranked before the candidate."""
+    row = logits_ptr + tl.cast(r, tl.int64) * stride
+    t = tl.load(temperature_ptr + r)
+    w = tl.load(candidate_ptr + r)
+    x_w = _scaled(tl.load(row + w), t, PRECISE)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    inb = idx < V
+    x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+    ahead = inb & _ahead(x, idx, x_w, w)
+    q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
+    tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
 
 
 @triton.jit
 def _decide_row(
-    r, x_w, w, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, part_mass_ptr, n_chunks,
-    BLOCK_C: tl.constexpr,
+    r, logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
+    candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Row r under the top-p test: keep the candidate if the mass before it is < top_p, else shrink
-    the region to the tokens ranked before it."""
+    """Row r under the top-p test: keep the candidate if the mass before it is < top_p (status 0),
+    else shrink the region to the tokens ranked before it (status 1); returns the status."""
     offs = tl.arange(0, BLOCK_C)
     part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
-    if tl.sum(part, 0) < tl.load(top_p_ptr + r):
-        tl.store(sampled_ptr + r, w)
-        tl.store(status_ptr + r, 0)
-    else:
-        tl.store(bound_x_ptr + r, x_w)
-        tl.store(bound_i_ptr + r, w)
-        tl.store(status_ptr + r, 1)
+    w = tl.load(candidate_ptr + r)
+    x_w = _scaled(
+        tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
+    )
+    status = tl.where(tl.sum(part, 0) < tl.load(top_p_ptr + r), 0, 1)
+    _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
+    return status
 
 
 @triton.jit
@@ -372,56 +374,7 @@ def argmax_rows(logits: torch.Tensor, n_rows: torch.Tensor, state: RejectionRows
     reads at full bandwidth, and rows past n_rows cost nothing. One launch. Capturable."""
     S, V = logits.shape
     C = state.part_score.shape[1]
-    unused = state.row_max  # ARGMAX reads no temperature, bound or partial sums
-    _race_region_kernel[(_persistent(S * C, programs),)](
-        logits, logits.stride(0), n_rows, unused, unused, unused, unused, unused, sampled, state.status,
-        unused, unused, unused, unused, unused, state.part_score, state.part_index, unused, unused,
-        state.arrived, V, C, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), FIRST=True, ARGMAX=True,
-        PRECISE=False, num_warps=4,
-    )  # fmt: skip
-
-
-def race_and_test(
-    logits: torch.Tensor,
-    rows: SampleRows,
-    state: RejectionRows,
-    sampled: torch.Tensor,
-    *,
-    chunk: int,
-    rounds: int,
-    programs: int,
-    precise: bool,
-    finish_block: int = 2048,
-) -> None:
-    """sampled[r] = the race winner over row r's kept tokens, r < n_rows: `rounds` chunked
-    race-and-test rounds, then `finish` for any row still undecided. Capturable: no host sync."""
-    S, V = logits.shape
-    C = state.part_score.shape[1]
-    if C != triton.cdiv(V, chunk):
-        raise ValueError(
-            f"partials have {C} chunks; vocab {V} in chunks of {chunk} needs {triton.cdiv(V, chunk)}"
-        )
-    if rounds < 1:
-        raise ValueError("the rejection sampler needs at least one chunked round (it sets max and logsumexp)")
-    block_c = triton.next_power_of_2(C)
-    chunk_grid = (_persistent(S * C, programs),)
-    part_mass = state.part_sum  # the first round's sums are folded into row_lse before any test
-    for round_ in range(rounds):
-        _race_region_kernel[chunk_grid](
-            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
-            rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-            state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
-            state.arrived, V, C, CHUNK=chunk, BLOCK_C=block_c, FIRST=round_ == 0, ARGMAX=False,
-            PRECISE=precise, num_warps=4,
-        )  # fmt: skip
-        _mass_ahead_kernel[chunk_grid](
-            logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, sampled, state.status,
-            state.bound_x, state.bound_i, state.candidate, state.row_lse, part_mass, state.arrived, V, C,
-            CHUNK=chunk, BLOCK_C=block_c, PRECISE=precise, num_warps=4,
-        )  # fmt: skip
-    _finish_kernel[(S,)](
-        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
-        rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-        state.row_max, state.row_lse, V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP,
-        PRECISE=precise, num_warps=8,
+    _argmax_kernel[(_persistent(S * C, programs),)](
+        logits, logits.stride(0), n_rows, sampled, state.status, state.part_score, state.part_index,
+        state.arrived, V, C, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), num_warps=4,
     )  # fmt: skip

@@ -263,7 +263,7 @@ def no_top_k(params: list[SamplingParams]) -> list[SamplingParams]:
     return [dataclasses.replace(p, top_k=0) for p in params]
 
 
-@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
 @pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 128)])
 def test_rejection_variant_equals_reference_without_top_k(vocab, chunk, rounds):
     """Rows with temperature, top-p and min-p (the variant schedule picks when no row uses top-k): the
@@ -278,6 +278,28 @@ def test_rejection_variant_equals_reference_without_top_k(vocab, chunk, rounds):
     got = run_device(logits, params, index, SAMPLER_REJECTION, rejection_chunk=chunk, rejection_rounds=rounds)
     want = reference(logits, params, index)
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
+
+
+def test_rejection_queue_is_reset_for_the_next_step():
+    """The rounds run as one launch over a work queue (kernels/sampling_rounds.py); its last program
+    out resets the queue, so the next step's rows (other output indices, fewer rows) are sampled
+    right and the queue is left empty again."""
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 16, 400
+    logits = (
+        torch.randn(rows, vocab, generator=gen) * 0.1
+    )  # flat: winners outside the nucleus, so tests queue races
+    params = [SamplingParams(temperature=1.0, top_p=[0.3, 0.9, 1.0][r % 3], seed=40 + r) for r in range(rows)]
+    state = make_state(rows, vocab)
+    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=64, rejection_rounds=3)
+    for step, n in enumerate([rows, 9, rows]):
+        index = [step * 7 + r for r in range(n)]
+        load_rows(state, params[:n], index)
+        sampler.rejection()
+        assert torch.equal(state.sampled[:n].cpu(), reference(logits[:n], params[:n], index)), step
+        queue = sampler._rejection
+        assert (queue.races[:n] > 1).any()  # some rows were raced again inside the launch
+        assert (queue.queue == -1).all() and (queue.counters == 0).all()
 
 
 def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():

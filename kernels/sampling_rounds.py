@@ -1,0 +1,232 @@
+"""The rejection variant's rounds in one launch: a work queue of passes over a row's chunks.
+
+A task is one pass of one row over its chunks: the first race (tasks [0, n_rows), implied), a race
+in a shrunken region, or a top-p test (queued). Persistent programs take tickets of a few chunks
+each, in task order; the program that completes a row's pass decides the row and queues its next
+pass, if any. So rows still undecided cost what they read, with no launch, barrier or scan over
+settled rows between rounds, and one row's test overlaps other rows' races.
+
+A program whose ticket names a task not queued yet waits for it, or for every row to settle. That
+cannot deadlock: a ticket is only taken by a running program, and a task is queued once its row's
+earlier pass, whose tickets all come before, is done. Rows still undecided after `rounds` races are
+left to `finish` (kernels/sampling_rejection.py), which is exact. The last program out resets the
+queue for the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from blink_appliance.kernels.sampling_rejection import (
+    FINISH_CAP,
+    MAX_ROUNDS,
+    RejectionRows,
+    SampleRows,
+    _decide_row,
+    _finish_kernel,
+    _last_to_arrive,
+    _mass_chunk,
+    _persistent,
+    _pick_row,
+    _race_chunk,
+)
+
+# RejectionRows.counters, a 128-byte line each: the programs waiting on SETTLED don't slow the takes
+# of NEXT_TICKET.
+NEXT_TICKET = tl.constexpr(0)
+TAIL = tl.constexpr(32)
+SETTLED = tl.constexpr(64)
+OUT = tl.constexpr(96)
+# A task's kind (payload = row * 4 + kind); tasks [0, n_rows) are the rows' first races.
+FIRST_RACE = tl.constexpr(0)
+RACE = tl.constexpr(1)
+TEST = tl.constexpr(2)
+SLEEP_NS = 1000  # a waiting program's pause between looks at the queue (sampler_profile --tune)
+TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
+MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80-96, 5-6 an SM)
+
+
+@triton.jit
+def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP_NS: tl.constexpr):
+    """The payload queued at `slot`, once it is; -1 when every row has settled first (so none will
+    be). Spins on plain loads, sleeping SLEEP_NS between them (on a GPU) so that waiting warps leave
+    the issue slots and the counters' lines to working ones; the acquire after it makes the row state
+    its producer wrote visible."""
+    payload = tl.full([], -1, tl.int32)
+    waiting = payload < 0
+    while waiting:
+        if SLEEP_NS == 100:
+            tl.inline_asm_elementwise(
+                "nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
+        elif SLEEP_NS == 1000:
+            tl.inline_asm_elementwise(
+                "nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
+        if slot < queue_size:
+            payload = tl.load(queue_ptr + slot, volatile=True)
+        waiting = (payload < 0) & (tl.load(counters_ptr + SETTLED, volatile=True) < n_rows)
+    if payload >= 0:
+        payload = tl.atomic_add(queue_ptr + slot, 0, sem="acquire")
+    return payload
+
+
+@triton.jit
+def _queue(queue_ptr, counters_ptr, r, kind):
+    """Queue row r's next pass; the release publishes the row state written before it."""
+    slot = tl.atomic_add(counters_ptr + TAIL, 1, sem="relaxed")
+    tl.atomic_xchg(queue_ptr + slot, r * 4 + kind, sem="release")
+
+
+@triton.jit
+def _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl.constexpr):
+    """Row r's pass is decided with `status`: queue its test (2), its next race (1) while it has had
+    fewer than ROUNDS, or count it settled (done, or left to `finish`)."""
+    if status == 2:
+        _queue(queue_ptr, counters_ptr, r, TEST)
+    elif (status == 1) & (tl.load(races_ptr + r) < ROUNDS):
+        tl.store(races_ptr + r, tl.load(races_ptr + r) + 1)
+        _queue(queue_ptr, counters_ptr, r, RACE)
+    else:
+        tl.atomic_add(counters_ptr + SETTLED, 1, sem="release")
+
+
+@triton.jit
+def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
+    """Count this program out; the last one resets the queue's slots and counters for the next step."""
+    if tl.atomic_add(counters_ptr + OUT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tail = tl.load(counters_ptr + TAIL)
+        for start in range(0, tail, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(queue_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < tail)
+        tl.store(counters_ptr + tl.arange(0, 4) * 32, tl.zeros([4], tl.int32))
+
+
+@triton.jit
+def _pass_chunks(
+    r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
+    counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
+    and queues what follows. A test's partial masses reuse part_sum: the row's first pick folded its
+    sums into row_lse."""
+    for c in range(start, stop):
+        if kind == TEST:
+            _mass_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_sum_ptr, V,
+                n_chunks, CHUNK, PRECISE,
+            )  # fmt: skip
+        elif kind == FIRST_RACE:
+            _race_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE,
+            )  # fmt: skip
+        else:
+            _race_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE,
+            )  # fmt: skip
+    if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
+        if kind == TEST:
+            status = _decide_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+                bound_i_ptr, candidate_ptr, part_sum_ptr, n_chunks, BLOCK_C, PRECISE,
+            )  # fmt: skip
+        elif kind == FIRST_RACE:
+            tl.store(races_ptr + r, 1)
+            status = _pick_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
+                PRECISE=PRECISE,
+            )  # fmt: skip
+        else:
+            status = _pick_row(
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
+                PRECISE=PRECISE,
+            )  # fmt: skip
+        _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS)
+
+
+@triton.jit
+def _rounds_kernel(
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
+    counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP_NS: tl.constexpr,
+):  # fmt: skip
+    n_rows = tl.load(n_rows_ptr)
+    groups = tl.cdiv(n_chunks, GROUP)
+    running = n_rows > 0
+    while running:
+        ticket = tl.atomic_add(counters_ptr + NEXT_TICKET, 1, sem="relaxed")
+        task = ticket // groups
+        payload = task * 4 + FIRST_RACE
+        if task >= n_rows:
+            payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP_NS)
+        running = payload >= 0
+        if running:
+            start = (ticket % groups) * GROUP
+            _pass_chunks(
+                payload // 4, start, tl.minimum(start + GROUP, n_chunks), payload % 4, logits_ptr, stride,
+                temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V,
+                n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE,
+            )  # fmt: skip
+    _leave(queue_ptr, counters_ptr, 256)
+
+
+def race_and_test(
+    logits: torch.Tensor,
+    rows: SampleRows,
+    state: RejectionRows,
+    sampled: torch.Tensor,
+    *,
+    chunk: int,
+    rounds: int,
+    programs: int,
+    precise: bool,
+    ticket_chunks: int = TICKET_CHUNKS,
+    max_registers: int | None = MAX_REGISTERS,
+    sleep_ns: int = SLEEP_NS,
+    finish_block: int = 2048,
+) -> None:
+    """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
+    races per row (each followed by its top-p test) in one launch, then `finish` for any row still
+    undecided. `max_registers` caps the queue kernel's registers per thread (more programs per SM).
+    Capturable: no host sync."""
+    S, V = logits.shape
+    C = state.part_score.shape[1]
+    if C != triton.cdiv(V, chunk):
+        raise ValueError(
+            f"partials have {C} chunks; vocab {V} in chunks of {chunk} needs {triton.cdiv(V, chunk)}"
+        )
+    if sleep_ns not in (0, 100, 1000):
+        raise ValueError(f"a waiting program sleeps 0, 100 or 1000 ns, not {sleep_ns}")
+    if not 1 <= rounds <= MAX_ROUNDS:
+        raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
+    registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
+    _rounds_kernel[(_persistent(S * C, programs),)](
+        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
+        rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
+        state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
+        state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
+        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
+        SLEEP_NS=sleep_ns if logits.is_cuda else 0, num_warps=4, **registers,
+    )  # fmt: skip
+    _finish_kernel[(S,)](
+        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
+        rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
+        state.row_max, state.row_lse, V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP,
+        PRECISE=precise, num_warps=8,
+    )  # fmt: skip
