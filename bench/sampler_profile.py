@@ -143,9 +143,9 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
 
 
 def tune(vocab: int, device: str) -> list[dict]:
-    """The rejection variant's knobs at 64 rows on flat logits: its chunk, chunks a ticket of its queue
-    and a register cap (engine/loop/sampler.py REJECTION_CHUNK, kernels/sampling_rounds.py), at the
-    default rounds, programs and sleep."""
+    """The rejection variant's knobs at 64 rows on flat logits: its chunk and chunks a ticket of its
+    queue (engine/loop/sampler.py REJECTION_CHUNK, kernels/sampling_rounds.py TICKET_CHUNKS), at the
+    default rounds, programs and register cap."""
     rows, out = 64, []
     logits = logits_of("flat", rows, vocab, device)
     for mix in ("temperature 1.0", "temperature 0.7, top_p 0.9"):
@@ -154,15 +154,13 @@ def tune(vocab: int, device: str) -> list[dict]:
         load_rows(state, params, [r % 7 for r in range(rows)])
         for chunk in (1024, 2048):
             for ticket_chunks in (1, 2):
-                for max_registers in (64,):
-                    sampler = DeviceSampler(
-                        state, logits, rejection_chunk=chunk, rejection_ticket_chunks=ticket_chunks,
-                        rejection_max_registers=max_registers,
-                    )  # fmt: skip
-                    row = {"mix": mix, "chunk": chunk, "ticket_chunks": ticket_chunks, "max_registers": max_registers,
-                           "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
-                    out.append(row)
-                    print(json.dumps(row), flush=True)
+                sampler = DeviceSampler(
+                    state, logits, rejection_chunk=chunk, rejection_ticket_chunks=ticket_chunks
+                )
+                row = {"mix": mix, "chunk": chunk, "ticket_chunks": ticket_chunks,
+                       "ms": graph_ms(sampler.rejection, device)}  # fmt: skip
+                out.append(row)
+                print(json.dumps(row), flush=True)
     return out
 
 

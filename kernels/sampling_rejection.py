@@ -32,6 +32,8 @@ from triton.language.extra import libdevice
 FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
 MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
 QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS  # a row queues at most a test per race and a race per test
+QUEUE_COUNTERS = 4  # the queue's counters (kernels/sampling_rounds.py), each on a line of its own:
+COUNTER_STRIDE = 32  # int32s a 128-byte line
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RejectionRows:
             arrived=torch.zeros(rows, dtype=torch.int32, device=device),
             races=torch.zeros(rows, dtype=torch.int32, device=device),
             queue=torch.full((rows * QUEUE_SLOTS_PER_ROW,), -1, dtype=torch.int32, device=device),
-            counters=torch.zeros(128, dtype=torch.int32, device=device),
+            counters=torch.zeros(QUEUE_COUNTERS * COUNTER_STRIDE, dtype=torch.int32, device=device),
         )  # fmt: skip
 
 

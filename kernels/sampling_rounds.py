@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 from blink_appliance.kernels.sampling_rejection import (
+    COUNTER_STRIDE,
     FINISH_CAP,
     MAX_ROUNDS,
+    QUEUE_COUNTERS,
     RejectionRows,
     SampleRows,
     _decide_row,
@@ -34,33 +36,30 @@ from blink_appliance.kernels.sampling_rejection import (
 
 # RejectionRows.counters, a 128-byte line each: the programs waiting on SETTLED don't slow the takes
 # of NEXT_TICKET.
-NEXT_TICKET = tl.constexpr(0)
-TAIL = tl.constexpr(32)
-SETTLED = tl.constexpr(64)
-OUT = tl.constexpr(96)
+NEXT_TICKET = tl.constexpr(0 * COUNTER_STRIDE)
+TAIL = tl.constexpr(1 * COUNTER_STRIDE)
+SETTLED = tl.constexpr(2 * COUNTER_STRIDE)
+OUT = tl.constexpr(3 * COUNTER_STRIDE)
+LINES = tl.constexpr(QUEUE_COUNTERS)
+LINE = tl.constexpr(COUNTER_STRIDE)
 # A task's kind (payload = row * 4 + kind); tasks [0, n_rows) are the rows' first races.
 FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
-SLEEP_NS = 1000  # a waiting program's pause between looks at the queue (sampler_profile --tune)
 TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80-96, 5-6 an SM)
 
 
 @triton.jit
-def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP_NS: tl.constexpr):
+def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP: tl.constexpr):
     """The payload queued at `slot`, once it is; -1 when every row has settled first (so none will
-    be). Spins on plain loads, sleeping SLEEP_NS between them (on a GPU) so that waiting warps leave
+    be). Spins on plain loads, sleeping 1 µs between them (SLEEP, on a GPU) so that waiting warps leave
     the issue slots and the counters' lines to working ones; the acquire after it makes the row state
     its producer wrote visible."""
     payload = tl.full([], -1, tl.int32)
     waiting = payload < 0
     while waiting:
-        if SLEEP_NS == 100:
-            tl.inline_asm_elementwise(
-                "nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-            )
-        elif SLEEP_NS == 1000:
+        if SLEEP:  # 1 µs beat 100 ns on the H100 (bench/results/2026-11-28-h100-sampler-rounds-queue.md)
             tl.inline_asm_elementwise(
                 "nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
             )
@@ -100,7 +99,7 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
         for start in range(0, tail, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             tl.store(queue_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < tail)
-        tl.store(counters_ptr + tl.arange(0, 4) * 32, tl.zeros([4], tl.int32))
+        tl.store(counters_ptr + tl.arange(0, LINES) * LINE, tl.zeros([LINES], tl.int32))
 
 
 @triton.jit
@@ -162,7 +161,7 @@ def _rounds_kernel(
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP_NS: tl.constexpr,
+    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr,
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
     groups = tl.cdiv(n_chunks, GROUP)
@@ -172,7 +171,7 @@ def _rounds_kernel(
         task = ticket // groups
         payload = task * 4 + FIRST_RACE
         if task >= n_rows:
-            payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP_NS)
+            payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP)
         running = payload >= 0
         if running:
             start = (ticket % groups) * GROUP
@@ -198,7 +197,6 @@ def race_and_test(
     precise: bool,
     ticket_chunks: int = TICKET_CHUNKS,
     max_registers: int | None = MAX_REGISTERS,
-    sleep_ns: int = SLEEP_NS,
     finish_block: int = 2048,
 ) -> None:
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
@@ -211,8 +209,6 @@ def race_and_test(
         raise ValueError(
             f"partials have {C} chunks; vocab {V} in chunks of {chunk} needs {triton.cdiv(V, chunk)}"
         )
-    if sleep_ns not in (0, 100, 1000):
-        raise ValueError(f"a waiting program sleeps 0, 100 or 1000 ns, not {sleep_ns}")
     if not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
     registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
@@ -222,7 +218,7 @@ def race_and_test(
         state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
         state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
         CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
-        SLEEP_NS=sleep_ns if logits.is_cuda else 0, num_warps=4, **registers,
+        SLEEP=logits.is_cuda, num_warps=4, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,

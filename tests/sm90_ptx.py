@@ -21,8 +21,9 @@ def ptx_for_sm90(
     scalar: str = "i64",
 ) -> str:
     """`kernel` compiled with a launcher's arguments by name (tensors as pointers, other arguments as
-    `scalar`) and its compile-time values, with the GPU path (ON_GPU) on."""
-    constexprs = dict(constexprs, ON_GPU=True)
+    `scalar`) and its compile-time values, with the GPU path (ON_GPU) on where the kernel has one."""
+    if "ON_GPU" in kernel.arg_names:
+        constexprs = dict(constexprs, ON_GPU=True)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -300,6 +303,42 @@ def test_rejection_queue_is_reset_for_the_next_step():
         queue = sampler._rejection
         assert (queue.races[:n] > 1).any()  # some rows were raced again inside the launch
         assert (queue.queue == -1).all() and (queue.counters == 0).all()
+
+
+_COMPILE_ROUNDS_FOR_H100 = """
+import torch
+from blink_appliance.kernels.sampling_rounds import _rounds_kernel
+from tests.sm90_ptx import ptx_for_sm90
+f32, i32, i64 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.int32, torch.int64))
+pointers = dict(
+    logits=f32, n_rows=i32, temperature=f32, top_p=f32, min_p=f32, seed=i64, out_index=i64, sampled=i64,
+    status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, part_score=f32,
+    part_index=i64, part_max=f32, part_sum=f32, arrived=i32, races=i32, queue=i32, counters=i32,
+)
+args = {f"{name}_ptr": t for name, t in pointers.items()} | dict(stride=0, V=0, n_chunks=0, queue_size=0)
+constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True)
+ptx = ptx_for_sm90(_rounds_kernel, args, constexprs, num_warps=4, scalar="i32")
+print(ptx.count("nanosleep.u32 1000"), ".acquire." in ptx, ".release." in ptx, ptx.count(".local"))
+"""
+
+
+def test_rounds_kernel_compiles_for_the_h100():
+    """The queue kernel's GPU path (the waiting programs' nanosleep, the queue's acquire and release)
+    compiles for sm_90 here, without a GPU: the interpreter lets through what the compiler refuses
+    (a global that is not a constexpr, say). In a child process, since TRITON_INTERPRET is set here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_ROUNDS_FOR_H100], cwd=Path(__file__).parent.parent, env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if done.returncode and (
+        "ptxas" in done.stderr or "No module named 'triton.backends.nvidia" in done.stderr
+    ):
+        pytest.skip(f"no CUDA compiler backend in this install: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sleeps, acquire, release, local = done.stdout.split()
+    assert int(sleeps) >= 1 and acquire == release == "True" and local == "0", done.stdout
 
 
 def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():

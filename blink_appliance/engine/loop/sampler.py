@@ -63,7 +63,7 @@ from blink_appliance.kernels.sampling import (
     race,
 )
 from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows
-from blink_appliance.kernels.sampling_rounds import MAX_REGISTERS, SLEEP_NS, TICKET_CHUNKS, race_and_test
+from blink_appliance.kernels.sampling_rounds import MAX_REGISTERS, TICKET_CHUNKS, race_and_test
 
 CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
 RACE_CHUNK = 2048  # vocabulary entries per race program
@@ -93,7 +93,6 @@ class DeviceSampler:
         programs_per_sm: int = PROGRAMS_PER_SM,
         rejection_ticket_chunks: int = TICKET_CHUNKS,
         rejection_max_registers: int | None = MAX_REGISTERS,
-        rejection_sleep_ns: int = SLEEP_NS,
         logprobs: DeviceLogprobs | None = None,
         penalties: DevicePenalties | None = None,
         prompt_logprobs: DevicePromptLogprobs | None = None,
@@ -123,7 +122,6 @@ class DeviceSampler:
         self.rejection_rounds = rejection_rounds
         self.rejection_ticket_chunks = rejection_ticket_chunks
         self.rejection_max_registers = rejection_max_registers
-        self.rejection_sleep_ns = rejection_sleep_ns
         self._rejection = RejectionRows.allocate(rows, triton.cdiv(vocab, self.rejection_chunk), device)
         # Persistent programs of the chunked passes: enough to fill the GPU, so that a step's cost
         # follows its rows (state.num_sample_rows), not the loop's max_num_seqs.
@@ -219,7 +217,6 @@ class DeviceSampler:
             self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
             rounds=self.rejection_rounds, programs=self.programs, precise=self.precise,
             ticket_chunks=self.rejection_ticket_chunks, max_registers=self.rejection_max_registers,
-            sleep_ns=self.rejection_sleep_ns,
         )  # fmt: skip
 
     def _then_logprobs(self, variant: Callable[[], None]) -> Callable[[], None]:
