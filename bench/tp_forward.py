@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -48,15 +49,25 @@ from blink_appliance.model.tensor_parallel import (  # noqa: E402
 class TwoRanks:
     """Both ranks' graphs per bucket; a step launches rank 0's then rank 1's and waits for both."""
 
-    def __init__(self, ranks: list[GpuForward], buckets: tuple[int, ...]) -> None:
+    def __init__(
+        self, ranks: list[GpuForward], buckets: tuple[int, ...], eager: bool = False, watch_s: float = 60
+    ) -> None:
         self.ranks = ranks
+        self.eager = eager
+        self.watch_s = watch_s
+        # Allocated now: pinning memory once a rank hangs might itself wait on the device.
+        self._host = [torch.empty(1 + f.tp.flags.numel(), dtype=torch.int32, pin_memory=True) for f in ranks]
+        self._side = []
+        for f in ranks:
+            with torch.cuda.device(f.device):
+                self._side.append(torch.cuda.Stream())
         for T in buckets:  # every kernel loaded on both GPUs before a rank can wait on the other
             warm_alone(ranks, lambda fwd, T=T: fwd.step(T))
         for _ in range(2):  # compile and warm: both ranks launched before either is waited for
             for T in buckets:
                 self._eager(T)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        for T in buckets:
+        for T in () if eager else buckets:
             graphs = []
             for fwd in ranks:
                 with torch.cuda.device(fwd.device):
@@ -73,10 +84,46 @@ class TwoRanks:
         self.sync()
 
     def sync(self) -> None:
+        """Wait for both GPUs; past watch_s, print where each rank's exchange stands and exit."""
+        events = []
         for fwd in self.ranks:
-            torch.cuda.synchronize(fwd.device)
+            with torch.cuda.device(fwd.device):
+                events.append(torch.cuda.Event())
+                events[-1].record()
+        deadline = time.monotonic() + self.watch_s
+        while not all(e.query() for e in events):
+            if time.monotonic() > deadline:
+                self.dump_and_exit()
+            time.sleep(1e-4)
+
+    def dump_and_exit(self) -> None:
+        """Each rank's epoch and flags, read on a side stream while its step spins (a hang)."""
+        finished = [self._done(f) for f in self.ranks]
+        for fwd, host, side, done in zip(self.ranks, self._host, self._side, finished, strict=True):
+            with torch.cuda.device(fwd.device):
+                with torch.cuda.stream(side):
+                    host[:1].copy_(fwd.tp.epoch, non_blocking=True)
+                    host[1:].copy_(fwd.tp.flags, non_blocking=True)
+                side.synchronize()
+            print(
+                f"HANG rank {fwd.tp.rank}: done={done} epoch={int(host[0])} flags={host[1:].tolist()}",
+                flush=True,
+            )
+        os._exit(3)
+
+    @staticmethod
+    def _done(fwd: GpuForward) -> bool:
+        with torch.cuda.device(fwd.device):
+            e = torch.cuda.Event()
+            e.record()
+            return e.query()
 
     def launch(self, T: int) -> None:
+        if self.eager:
+            for fwd in self.ranks:
+                with torch.cuda.device(fwd.device):
+                    fwd.step(T)
+            return
         for g, fwd in zip(self.graphs[T], self.ranks, strict=True):
             with torch.cuda.device(fwd.device):
                 g.replay()
@@ -130,6 +177,10 @@ def main() -> None:
     ap.add_argument(
         "--hang-s", type=float, default=300, help="past this, print every thread's stack and exit"
     )
+    ap.add_argument("--eager", action="store_true", help="TP=2 launched kernel by kernel, no graphs")
+    ap.add_argument("--no-pdl", action="store_true", help="TP=2 ranks without programmatic dependent launch")
+    ap.add_argument("--tp-only", action="store_true", help="skip the TP=1 runs (no comparison)")
+    ap.add_argument("--watch-s", type=float, default=60, help="a TP=2 step longer than this is a hang")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.hang_s, exit=True)  # a rank waiting forever shows where
     buckets = tuple(int(b) for b in args.buckets.split(","))
@@ -154,7 +205,8 @@ def main() -> None:
         return Workload(T, decodes=min(args.decodes, T), prefill=0, context=args.context)
 
     rows, tokens, logits1 = [], {}, {}
-    for plan_name, plan in (("tp1", decode_gemms), ("tp1-deterministic", deterministic_gemms)):
+    plans = () if args.tp_only else (("tp1", decode_gemms), ("tp1-deterministic", deterministic_gemms))
+    for plan_name, plan in plans:
         fwd = GpuForward(cfg, weights, kv, max_tokens=max(buckets), max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks,
                          gemm_plan=plan)  # fmt: skip
         graphs = ForwardGraphs(fwd, buckets)
@@ -177,11 +229,12 @@ def main() -> None:
         with torch.cuda.device(r):
             ranks.append(
                 GpuForward(local, shard_weights(weights, cfg, r, 2, f"cuda:{r}"), rank_kv[r], max_tokens=max(buckets),
-                           max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks, gemm_plan=deterministic_gemms, tp_rank=r)
+                           max_seqs=MAX_SEQS, max_blocks_per_seq=max_blocks, gemm_plan=deterministic_gemms, tp_rank=r,
+                           pdl=False if args.no_pdl else None)
             )  # fmt: skip
     connect(*ranks)
     t = time.time()
-    two = TwoRanks(ranks, buckets)
+    two = TwoRanks(ranks, buckets, eager=args.eager, watch_s=args.watch_s)
     print(f"tp2: warm-up + capture {time.time() - t:.1f} s", flush=True)
     diffs = {}
     for T in buckets:
@@ -191,7 +244,7 @@ def main() -> None:
         fb = batch.batch([(s, 1) for s in range(workload(T).decodes)], cfg.vocab_size)
         two.load(fb, T)
         got = two.step(T)[: min(T, MAX_SEQS)].clone()
-        for plan_name in ("tp1", "tp1-deterministic"):
+        for plan_name, _ in plans:
             ref = logits1[plan_name, T]
             n = fb.sample_rows.shape[0]
             diffs[f"{plan_name}/{T}"] = dict(
@@ -209,10 +262,8 @@ def main() -> None:
         tokens["tp2"] = greedy(
             two.load, two.step, num_blocks, max_blocks, cfg.vocab_size, args.context, args.greedy
         )
-    agreement = {
-        f"tp2 vs {k}": agree(tokens["tp2"], tokens[k]) for k in ("tp1", "tp1-deterministic") if tokens
-    }
-    if tokens:
+    agreement = {f"tp2 vs {k}": agree(tokens["tp2"], tokens[k]) for k, _ in plans if tokens}
+    if plans and tokens:
         agreement["tp1 vs tp1-deterministic"] = agree(tokens["tp1"], tokens["tp1-deterministic"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -223,7 +274,7 @@ def main() -> None:
     )
     print("| bucket | TP=1 | TP=1 deterministic | TP=2 | TP=2 / TP=1 | rank 0 logits vs TP=1: rel, argmax |")
     print("|---|---|---|---|---|---|")
-    for T in buckets:
+    for T in buckets if plans else ():
         ms = {r["variant"]: r["step_ms"] for r in rows if r["bucket"] == T}
         d = diffs[f"tp1/{T}"]
         print(f"| {T} | {ms['tp1']:.3f} | {ms['tp1-deterministic']:.3f} | {ms['tp2']:.3f} | "
