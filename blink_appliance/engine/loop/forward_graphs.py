@@ -58,10 +58,13 @@ class ForwardGraphs:
 
     def _capture_buckets(self) -> None:
         fwd = self.forward
+        # torch's default capture stream lives on the device that first captured in the process:
+        # a forward on another GPU (tensor parallelism) would be captured onto that one's.
+        stream = torch.cuda.Stream(fwd.device)
         # Largest first, so later (smaller) captures reuse the pool's blocks.
         for T in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 fwd.step(T)
             graph.instantiate()
             self.graphs[T] = graph

@@ -249,7 +249,9 @@ class DeviceLoop:
 
     def _capture(self, launches: Sequence[Launch | SetSwitch | SetWhile]) -> int:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, pool=self._pool):
+        # torch's default capture stream lives on the device that first captured in the process, so
+        # a loop on another GPU (tensor parallelism) names a stream of its own device.
+        with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self.device)):
             for launch in launches:
                 if isinstance(launch, SetSwitch):
                     switch = self.plan.switches[launch.index]
