@@ -106,6 +106,7 @@ def profile_text(geo: Geometry, args: argparse.Namespace, shm_name: str) -> str:
         f'name = "{MODEL_NAME}"\nsource = "{args.model}"\ndtype = "{args.dtype}"\ndevice = "{args.device}"',
         f"max_seqs = {geo.max_seqs}\nmax_model_len = {geo.max_model_len}",
         f"max_num_batched_tokens = {geo.step_budget}\nblock_size = 16\n{kv}",
+        *([f"tensor_parallel = {args.tensor_parallel}"] if getattr(args, "tensor_parallel", 1) > 1 else []),
         *getattr(args, "model_lines", []),  # a bench's own [[models]] settings
         "\n[engine]",
         f'mode = "{"reference" if cpu else "loop"}"',
@@ -142,12 +143,36 @@ def ms(values_s: list[float], q: float) -> float | None:
     return None if p is None else round(p * 1e3, 3)
 
 
+def engine_cpu_s(server: ServerProcess | None) -> float | None:
+    """User + system CPU seconds of the appliance's engine processes so far (None: not found)."""
+    import psutil
+
+    if server is None or server.proc is None:
+        return None
+    try:
+        engines = [
+            p for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if "blink_appliance.engine.process" in " ".join(p.cmdline())
+        ]  # fmt: skip
+        return sum(t.user + t.system for t in (p.cpu_times() for p in engines)) if engines else None
+    except psutil.Error:
+        return None
+
+
 async def run_case(
-    url: str, case: Case, batch: int, waves: int, args: argparse.Namespace, until: float
+    url: str,
+    case: Case,
+    batch: int,
+    waves: int,
+    args: argparse.Namespace,
+    until: float,
+    server: ServerProcess | None = None,
 ) -> dict:
     """`waves` waves of `batch` requests released at once, each after the last finished; none starts
-    after `until` (monotonic), and a request may last only until then, so the budget holds."""
+    after `until` (monotonic), and a request may last only until then, so the budget holds. With
+    `server`, also the engine's CPU seconds per 1,000 streamed tokens over the case."""
     rng, records = random.Random(args.seed), []
+    cpu_before = engine_cpu_s(server)
     for _ in range(waves):
         if (left := until - time.monotonic()) < 1.0:
             break
@@ -161,6 +186,10 @@ async def run_case(
     tpots = [t for r in done if (t := request_tpot_s(r)) is not None]
     gaps = [g for r in done for g in r.itls_s]
     failures = sorted({r.error or "unknown" for r in records if not r.ok})
+    cpu_after, tokens = engine_cpu_s(server), sum(r.output_tokens for r in done)
+    cpu_per_1k = None
+    if cpu_before is not None and cpu_after is not None and tokens:
+        cpu_per_1k = round((cpu_after - cpu_before) / tokens * 1e3, 4)
     return {
         "case": case.name, "batch": batch, "temperature": case.temperature, "top_p": case.top_p,
         "waves": len(records) // batch, "requests": len(records), "completed": len(done),
@@ -168,6 +197,7 @@ async def run_case(
         "failures": failures[:5], "tokens_per_request": sorted({r.output_tokens for r in done}),
         "tpot_p50_ms": ms(tpots, 50), "tpot_p99_ms": ms(tpots, 99), "itl_p99_ms": ms(gaps, 99),
         "ttft_p50_ms": ms([t for r in done if (t := r.ttft_s) is not None], 50),
+        "engine_cpu_s_per_1k_tokens": cpu_per_1k,
     }  # fmt: skip
 
 
@@ -192,7 +222,9 @@ def sweep_geometry(geo: Geometry, args: argparse.Namespace, deadline: float, out
                 why = "the time budget is spent" if server.alive else "the server exited"
                 out["cases"].append({"case": name, "batch": batch, "skipped": why})
                 continue
-            result = asyncio.run(run_case(server.url, case, batch, args.requests_per_case, args, until))
+            result = asyncio.run(
+                run_case(server.url, case, batch, args.requests_per_case, args, until, server)
+            )
             out["cases"].append(result)
             say(f"[{geo.spec}] {name}: {json.dumps(result)}")
             save()
@@ -280,6 +312,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=540.0, help="no new case starts after this")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to come up")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks of the model, from --device up")
     ap.add_argument("--out", type=Path, required=True, help="JSON report, rewritten after every case")
     args = model_defaults(ap.parse_args())
     cpu = args.device == "cpu"

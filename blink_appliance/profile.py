@@ -90,6 +90,9 @@ class ModelSection(_Section):
     # Engines of this model, one per device (docs/profile.md, "Replicas"); the front end sends each
     # request to the one with the fewest outstanding tokens. `devices`: default device, cuda:N+1, ...
     replicas: int = Field(default=1, ge=1, le=64)
+    # Ranks of one engine over several GPUs of this host, each with its share of the heads and the
+    # MLP (docs/tensor_parallel.md): 1 or 2. `devices` then lists the ranks' GPUs.
+    tensor_parallel: int = Field(default=1, ge=1, le=2)
     devices: list[str] | None = None
     _replica: int = PrivateAttr(default=0)  # which of the replicas this section is, once expanded
     _section: int = PrivateAttr(default=0)  # the [[models]] entry it comes from, as declared
@@ -107,6 +110,16 @@ class ModelSection(_Section):
     @property
     def section(self) -> int:
         return self._section
+
+    @property
+    def rank_devices(self) -> list[str]:
+        """The GPUs of this engine's tensor-parallel ranks, rank 0's (`device`) first."""
+        if self.tensor_parallel == 1:
+            return [self.device]
+        if self.devices:
+            return list(self.devices)
+        first = int(self.device[5:]) if self.device.startswith("cuda:") else 0
+        return [f"cuda:{first + r}" for r in range(self.tensor_parallel)]
 
     @field_validator("device", "devices")
     @classmethod
@@ -141,8 +154,15 @@ class ModelSection(_Section):
     def _consistent(self) -> ModelSection:
         if (self.kv_budget_gib is None) == (self.kv_fraction is None):
             raise ValueError("set exactly one of kv_budget_gib and kv_fraction")
-        if self.devices is not None and len(self.devices) != self.replicas:
-            raise ValueError(f"devices lists {len(self.devices)} devices for {self.replicas} replicas")
+        if self.tensor_parallel > 1 and self.replicas > 1:
+            raise ValueError("tensor_parallel with replicas is not built: one tensor-parallel engine a model")
+        if self.devices is not None and len(self.devices) != self.replicas * self.tensor_parallel:
+            what = (
+                f"{self.replicas} replicas" if self.tensor_parallel == 1 else f"{self.tensor_parallel} ranks"
+            )
+            raise ValueError(f"devices lists {len(self.devices)} devices for {what}")
+        if self.devices is not None and len(set(self.devices)) != len(self.devices):
+            raise ValueError("devices lists a device twice")
         for key in ("max_prompt_tokens", "max_output_tokens"):
             value = getattr(self, key)
             if value is not None and value >= self.max_model_len:

@@ -31,6 +31,32 @@ def engine_errors(p: CheckedProfile) -> list[str]:
     return errors
 
 
+def _tensor_parallel_errors(p: CheckedProfile, i: int) -> list[str]:
+    """Tensor-parallel ranks: the GPU loop on CUDA devices no other model uses."""
+    m, mode = p.models[i], p.engine_mode_of(i)
+    if m.tensor_parallel == 1:
+        return []
+    key = m.key("tensor_parallel")
+    if mode != "loop" or m.device == "cpu":
+        return [f"{key}: the ranks run in the GPU loop only (engine.mode 'loop' on cuda:N devices)"]
+    errors = []
+    if m.sm_count is not None:
+        errors.append(
+            f"{m.key('sm_count')}: SM partitions of tensor-parallel ranks are not built; remove one"
+        )
+    ranks = m.rank_devices
+    if any(not d.startswith("cuda:") for d in ranks):
+        errors.append(f"{m.key('devices')}: every rank needs a cuda:N device, got {ranks}")
+    for j, other in enumerate(p.models):
+        shared = sorted(set(ranks) & set(other.rank_devices)) if j != i else []
+        if shared:
+            errors.append(
+                f"{key}: its ranks' {', '.join(shared)} also hold {other.key()} ({other.name!r}); a "
+                "tensor-parallel model takes its GPUs alone"
+            )
+    return errors
+
+
 def _model_engine_errors(p: CheckedProfile, i: int) -> list[str]:
     m, e, mode = p.models[i], p.engine, p.engine_mode_of(i)
     if mode == "loop" and m.device == "cpu":
@@ -43,7 +69,7 @@ def _model_engine_errors(p: CheckedProfile, i: int) -> list[str]:
             f"engine.mode: 'reference' (the CPU reference engine) runs on device 'cpu' only, "
             f"not {m.device!r} ({m.key('device')}); use 'loop' or 'host'"
         ]
-    errors = []
+    errors = _tensor_parallel_errors(p, i)
     if m.cpu_weights == "quantized" and mode != "reference":
         errors.append(
             f"{m.key('cpu_weights')}: 'quantized' runs on the CPU reference engine only "

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-_TENSOR_PARALLEL = (
-    "tensor parallelism is not built yet (issue 27); `replicas = N` serves the model with N engines, "
-    "one GPU each"
-)
-# Keys a vLLM or SGLang user may write for what the appliance does not do yet: refused by name.
+# Keys a vLLM or SGLang user may write for what the appliance does not do yet (or calls otherwise):
+# refused by name.
 NOT_BUILT = {
-    "tensor_parallel": _TENSOR_PARALLEL,
-    "tensor_parallel_size": _TENSOR_PARALLEL,
+    "tensor_parallel_size": "the appliance's key is `tensor_parallel` (1 or 2)",
     "pipeline_parallel_size": "pipeline parallelism is not built",
 }
 

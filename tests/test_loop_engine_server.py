@@ -27,7 +27,13 @@ from tests.ring_support import serve_in_thread, shm_region
 
 
 # -- the served path: the real loop (LoopStep) in mode "host" under the Triton interpreter -----------
-def _tiny_profile(device: str = "cpu", max_model_len: int = 64, max_output_tokens: int = 24, **engine):
+def _tiny_profile(
+    device: str = "cpu",
+    max_model_len: int = 64,
+    max_output_tokens: int = 24,
+    tensor_parallel: int = 1,
+    **engine,
+):
     from blink_appliance.profile import parse_profile
 
     return parse_profile(
@@ -38,6 +44,7 @@ def _tiny_profile(device: str = "cpu", max_model_len: int = 64, max_output_token
                     "name": "tiny", "source": "dummy:tiny", "dtype": "float32", "device": device,
                     "max_seqs": 2, "max_model_len": max_model_len, "max_num_batched_tokens": 16,
                     "block_size": 4, "kv_budget_gib": 0.001, "max_output_tokens": max_output_tokens,
+                    "tensor_parallel": tensor_parallel,
                 }
             ],
             "engine": {"mode": "host", **engine},
@@ -147,23 +154,29 @@ on_gpu = [
 ]
 
 
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs with peer access"
+)
+
+
 @pytest.mark.parametrize(
-    "device, mode",
+    "device, mode, tensor_parallel",
     [
-        pytest.param("cpu", "host", id="cpu-host", marks=cpu_harness),
-        pytest.param("cuda:0", "host", id="cuda-host", marks=on_gpu),
-        pytest.param("cuda:0", "loop", id="cuda-loop", marks=on_gpu),
+        pytest.param("cpu", "host", 1, id="cpu-host", marks=cpu_harness),
+        pytest.param("cuda:0", "host", 1, id="cuda-host", marks=on_gpu),
+        pytest.param("cuda:0", "loop", 1, id="cuda-loop", marks=on_gpu),
+        pytest.param("cuda:0", "loop", 2, id="cuda-loop-tp2", marks=[*on_gpu, two_gpus]),
     ],
 )
 async def test_greedy_streams_through_the_loop_equal_the_reference_engine_and_cancel_and_shutdown_work(
-    device, mode
+    device, mode, tensor_parallel
 ):
     from blink_appliance.wire.client import EngineClient
     from blink_appliance.wire.request import SamplingParams
 
     # Long enough outputs that the request in flight at shutdown is still running when the stop
     # reaches the loop (the tiny model makes a GPU loop step about 0.1 ms).
-    limits = {"max_model_len": 1024, "max_output_tokens": 1000}
+    limits = {"max_model_len": 1024, "max_output_tokens": 1000, "tensor_parallel": tensor_parallel}
     with served_tiny_loop(device, limits, mode=mode) as (server, transport, ring, ckpt, plan, stop):
         client = EngineClient.attach(transport, ring)
         await client.start()

@@ -140,7 +140,9 @@ def test_the_leader_publishes_around_its_schedule_and_after_its_commit():
     link.before_schedule = lambda: calls.append("await ack")
     link.after_schedule = lambda: calls.append("publish")
     link.after_commit = lambda keep: calls.append("exit?")
-    body = leader_body(link, [lambda: calls.append("schedule"), lambda: calls.append("commit")], torch.ones(1))
+    body = leader_body(
+        link, [lambda: calls.append("schedule"), lambda: calls.append("commit")], torch.ones(1)
+    )
     for launch in body:
         launch()
     assert calls == ["await ack", "schedule", "publish", "commit", "exit?"]

@@ -39,6 +39,7 @@ class ModelPlan:
     max_num_batched_tokens: int
     max_prompt_tokens: int
     max_output_tokens: int
+    rank_devices: tuple[str, ...] = ()  # tensor parallelism: weights and KV are per rank, on each
 
     @property
     def kv_tokens(self) -> int:
@@ -47,7 +48,8 @@ class ModelPlan:
     def describe(self) -> str:
         return "\n".join(
             [
-                f"model {self.name!r} (source {self.source}, {self.dtype} on {self.device})",
+                f"model {self.name!r} (source {self.source}, {self.dtype} on {self.device})"
+                + (f", per rank of {', '.join(self.rank_devices)}" if self.rank_devices else ""),
                 f"  weights        {_fmt_bytes(self.weights_bytes)}",
                 f"  kv cache       {_fmt_bytes(self.kv_bytes)} of a {_fmt_bytes(self.kv_budget_bytes)} budget"
                 f" -> {self.num_kv_blocks} blocks x {self.block_size} tokens"
@@ -101,6 +103,13 @@ def resolve_plan(
             f"{model.key('max_model_len')}: {model.max_model_len} exceeds the model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
+    if model.tensor_parallel > 1:  # sized per rank: each GPU holds its share of heads and MLP
+        from blink_appliance.model.tensor_parallel import shard_config
+
+        try:
+            config = shard_config(config, model.tensor_parallel)
+        except ValueError as e:
+            raise ProfileError(f"{model.key('tensor_parallel')}: {e}") from None
     w_bytes = weights_bytes(config, model.dtype)
     per_block = PagedKVCache.bytes_per_block(
         config.num_layers, model.block_size, config.num_kv_heads, config.head_dim, getattr(torch, model.dtype)
@@ -138,6 +147,7 @@ def resolve_plan(
         max_num_batched_tokens=model.max_num_batched_tokens,
         max_prompt_tokens=model.prompt_limit,
         max_output_tokens=model.output_limit,
+        rank_devices=tuple(model.rank_devices) if model.tensor_parallel > 1 else (),
     )
 
 

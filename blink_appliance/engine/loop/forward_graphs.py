@@ -31,11 +31,15 @@ class ForwardGraphs:
         self.pool = None
 
     def capture(self, warmup_steps: int = 2) -> None:
-        """Warm up (Triton compilation, cuBLAS handles) on an empty step, then capture every bucket.
+        """Warm up (Triton compilation, cuBLAS handles) on an empty step, then capture every bucket."""
+        self.warm(warmup_steps)
+        self.capture_warm()
+
+    def warm(self, warmup_steps: int = 2) -> None:
+        """Run every bucket on an empty step: it compiles and loads the kernels capture records.
 
         Warm-up runs real kernels, so it runs on cleared inputs (no KV writes, no sequences); the
-        inputs are restored afterwards. Capture itself executes nothing.
-        """
+        inputs are restored afterwards."""
         fwd = self.forward
         saved = {k: v.clone() for k, v in vars(fwd.inputs).items()}
         fwd.inputs.clear()
@@ -52,6 +56,8 @@ class ForwardGraphs:
         for k, v in saved.items():
             getattr(fwd.inputs, k).copy_(v)
 
+    def capture_warm(self) -> None:
+        """Capture every bucket (after `warm`). Capture itself executes nothing."""
         self.pool = torch.cuda.graph_pool_handle()
         with stage(f"capturing {len(self.buckets)} forward graphs"):
             self._capture_buckets()

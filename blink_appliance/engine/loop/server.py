@@ -402,17 +402,32 @@ def build_loop_server(
             # The region's own bytes; the commit kernel stamps host time itself under the interpreter.
             ring_bytes = torch.frombuffer(transport.buffer, dtype=torch.uint8)
             offset = None
-        with stage(f"weights to {device}"):
-            weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
-        step = LoopStep.build(
-            config, weights, ring_bytes, RingLayout.of(ring), geometry, device, dtype,
-            engine_seed=secrets.randbits(63), deterministic=bool(profile.engine.deterministic),
-        )  # fmt: skip
+        ranks = None
+        if model.tensor_parallel > 1:  # profile checks: mode "loop" on CUDA devices
+            from blink_appliance.engine.loop.ranks import TensorParallelLoop
+
+            ranks = TensorParallelLoop.build(
+                config, checkpoint.weights, ring_bytes, RingLayout.of(ring), geometry, model.rank_devices, dtype,
+                engine_seed=secrets.randbits(63),
+            )  # fmt: skip
+            step = ranks.step
+        else:
+            with stage(f"weights to {device}"):
+                weights = GpuWeights.from_hf(config, checkpoint.weights, dtype, device)
+            step = LoopStep.build(
+                config, weights, ring_bytes, RingLayout.of(ring), geometry, device, dtype,
+                engine_seed=secrets.randbits(63), deterministic=bool(profile.engine.deterministic),
+            )  # fmt: skip
         # Compile now, not in the first request's step; and capture only records work, so the
         # loop's graph needs everything compiled and warm before it is built.
         step.warmup()
         device_loop = None
-        if mode == "loop":
+        if ranks is not None:
+            from blink_appliance.engine.loop.mapped_region import RingWords
+
+            device_loop = ranks.loops(RingWords.of(mapped), control)
+            owned.append(device_loop)
+        elif mode == "loop":
             from blink_appliance.engine.loop.graph import DeviceLoop
             from blink_appliance.engine.loop.mapped_region import RingWords
 
