@@ -161,8 +161,8 @@ class ModelSection(_Section):
                 f"{self.replicas} replicas" if self.tensor_parallel == 1 else f"{self.tensor_parallel} ranks"
             )
             raise ValueError(f"devices lists {len(self.devices)} devices for {what}")
-        if self.devices is not None and len(set(self.devices)) != len(self.devices):
-            raise ValueError("devices lists a device twice")
+        if self.tensor_parallel > 1 and len(set(self.rank_devices)) != self.tensor_parallel:
+            raise ValueError("devices lists a device twice: each rank needs a GPU of its own")
         for key in ("max_prompt_tokens", "max_output_tokens"):
             value = getattr(self, key)
             if value is not None and value >= self.max_model_len:

@@ -32,6 +32,10 @@ def test_tensor_parallel_errors_name_their_key():
     )
     assert "devices lists 3 devices for 2 ranks" in _error(_tp(devices=["cuda:0", "cuda:1", "cuda:2"]))
     assert "devices lists a device twice" in _error(_tp(devices=["cuda:0", "cuda:0"]))
+    two_on_one = parse_profile(
+        _profile(model={"replicas": 2, "devices": ["cpu", "cpu"]})
+    )  # replicas may share
+    assert [m.device for m in two_on_one.models] == ["cpu", "cpu"]
     assert "tensor_parallel with replicas is not built" in _error(_tp(replicas=2))
     assert "models[0].sm_count: SM partitions of tensor-parallel ranks" in _error(_tp(sm_count=60))
     other = dict(MINIMAL_MODEL, name="n", device="cuda:1")
