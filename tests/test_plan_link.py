@@ -146,3 +146,37 @@ def test_the_leader_publishes_around_its_schedule_and_after_its_commit():
     for launch in body:
         launch()
     assert calls == ["await ack", "schedule", "publish", "commit", "exit?"]
+
+
+class _FakeLoop:
+    """A device loop stand-in: runs until `ends` polls have passed."""
+
+    def __init__(self, name: str, log: list, ends: int) -> None:
+        self.name, self.log, self.ends, self.polls, self.closed = name, log, ends, 0, False
+
+    def launch(self) -> None:
+        self.log.append(self.name)
+
+    def running(self) -> bool:
+        self.polls += 1
+        return self.polls <= self.ends
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_linked_loops_launch_the_follower_first_and_run_until_both_end():
+    """The follower must wait for the leader's first plan, so it is launched first; the pair runs
+    while either loop does (the follower ends after the leader's exit)."""
+    from blink_appliance.engine.loop.ranks import LinkedLoops
+
+    log: list = []
+    leader, follower = _FakeLoop("leader", log, ends=2), _FakeLoop("follower", log, ends=5)
+    pair = LinkedLoops(leader, follower)
+    pair.launch()
+    assert log == ["follower", "leader"]
+    assert not pair.join(timeout_s=0.0)  # still running: the follower has polls left
+    assert pair.join(timeout_s=5.0, poll_s=0.0)
+    assert follower.polls > 5 and leader.polls > 2
+    pair.close()
+    assert leader.closed and follower.closed

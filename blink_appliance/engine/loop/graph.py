@@ -166,6 +166,16 @@ def engine_body(
     ]
 
 
+def poll_until_ended(running: Callable[[], bool], timeout_s: float | None, poll_s: float) -> bool:
+    """Poll `running` until it is False (True) or timeout_s has passed (False)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while running():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 class DeviceLoop:
     """The engine loop as one CUDA graph, built (captured) at construction, launched once."""
 
@@ -310,12 +320,7 @@ class DeviceLoop:
 
     def join(self, timeout_s: float | None = None, poll_s: float = 0.0002) -> bool:
         """Wait (polling, so a timeout is possible) for the loop to end; True if it ended."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.running():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
-        return True
+        return poll_until_ended(self.running, timeout_s, poll_s)
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Ask the loop to stop through the ring's shutdown word and wait for it to end."""

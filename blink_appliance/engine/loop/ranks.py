@@ -8,7 +8,6 @@ one (`LinkedLoops`); rank 1 ends once rank 0's loop has.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ import torch
 
 from blink_appliance.engine.loop.control import LoopControl
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
-from blink_appliance.engine.loop.graph import DeviceLoop
+from blink_appliance.engine.loop.graph import DeviceLoop, poll_until_ended
 from blink_appliance.engine.loop.mapped_region import RingWords
 from blink_appliance.engine.loop.plan_link import PlanLink, follower_body, leader_body
 from blink_appliance.engine.loop.progress import stage
@@ -158,12 +157,7 @@ class LinkedLoops:
         return leader or follower
 
     def join(self, timeout_s: float | None = None, poll_s: float = 0.0002) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.running():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
-        return True
+        return poll_until_ended(self.running, timeout_s, poll_s)
 
     def close(self) -> None:
         self.leader.close()
