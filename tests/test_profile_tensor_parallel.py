@@ -56,3 +56,26 @@ def test_a_tensor_parallel_plan_is_per_rank():
         ProfileError, match="models\\[0\\].tensor_parallel: tensor_parallel 2 does not divide"
     ):
         resolve_plan(parse_profile(_tp()).models[0], preset_config("smollm2-135m"))
+
+
+def test_the_two_gpu_example_profile_is_one_engine_over_two_ranks():
+    from pathlib import Path
+
+    from blink_appliance.profile import load_profile
+
+    p = load_profile(Path(__file__).resolve().parents[1] / "profiles" / "gpu-2xh100-tp.example.toml")
+    assert len(p.models) == 1 and p.model.tensor_parallel == 2 and p.engine_mode == "loop"
+    assert p.model.rank_devices == ["cuda:0", "cuda:1"]
+
+
+def test_check_prints_the_plan_per_rank(tmp_path, capsys):
+    from blink_appliance.cli import main
+
+    path = tmp_path / "tp.toml"
+    path.write_text(
+        '[[models]]\nname = "tiny"\nsource = "dummy:tiny"\ndevice = "cuda:0"\ntensor_parallel = 2\n'
+        "kv_budget_gib = 0.001\nmax_model_len = 256\nmax_seqs = 4\nmax_num_batched_tokens = 64\n"
+        '[engine]\nmode = "loop"\n'
+    )
+    assert main(["check", str(path)]) == 0
+    assert "per rank of cuda:0, cuda:1" in capsys.readouterr().out
