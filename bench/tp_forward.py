@@ -32,6 +32,7 @@ from bench_forward import BLOCK_SIZE, DECODE_CONTEXT, MAX_SEQS, Batcher, Workloa
 from triton.testing import do_bench  # noqa: E402
 
 from blink_appliance.engine.loop.forward_graphs import ForwardGraphs  # noqa: E402
+from blink_appliance.engine.loop.graph import poll_until_ended  # noqa: E402
 from blink_appliance.model.gpu_forward import GpuForward  # noqa: E402
 from blink_appliance.model.gpu_weights import GpuWeights  # noqa: E402
 from blink_appliance.model.kv_cache import PagedKVCache  # noqa: E402
@@ -91,11 +92,8 @@ class TwoRanks:
             with torch.cuda.device(fwd.device):
                 events.append(torch.cuda.Event())
                 events[-1].record()
-        deadline = time.monotonic() + self.watch_s
-        while not all(e.query() for e in events):
-            if time.monotonic() > deadline:
-                self.dump_and_exit()
-            time.sleep(1e-4)
+        if not poll_until_ended(lambda: not all(e.query() for e in events), self.watch_s, 1e-4):
+            self.dump_and_exit()
 
     def dump_and_exit(self) -> None:
         """Each rank's epoch and flags, read on a side stream while its step spins (a hang)."""
@@ -161,6 +159,13 @@ def greedy(load, step, num_blocks: int, max_blocks: int, vocab: int, context: in
         load(batch, 1)
         out.append(int(step(1)[0].argmax()))
     return out
+
+
+def logits_diff(a: torch.Tensor, ref: torch.Tensor, n: int) -> dict:
+    """How far the first n rows of logits `a` are from `ref`: relative norm, rows with the same argmax."""
+    a, ref = a[:n], ref[:n]
+    rel = ((a - ref).norm() / ref.norm()).item()
+    return dict(rel=rel, argmax_equal=int((a.argmax(-1) == ref.argmax(-1)).sum()), rows=n)
 
 
 def agree(a: list[int], b: list[int]) -> int:
@@ -249,17 +254,12 @@ def main() -> None:
         two.load(fb, T)
         got = two.step(T)[: min(T, MAX_SEQS)].clone()
         n = fb.sample_rows.shape[0]
-
-        def diff(a: torch.Tensor, ref: torch.Tensor, n: int = n) -> dict:
-            return dict(
-                rel=((a[:n] - ref[:n]).norm() / ref[:n].norm()).item(),
-                argmax_equal=int((a[:n].argmax(-1) == ref[:n].argmax(-1)).sum()), rows=n,
-            )  # fmt: skip
-
         for plan_name, _ in plans:
-            diffs[f"{plan_name}/{T}"] = diff(got, logits1[plan_name, T])
+            diffs[f"{plan_name}/{T}"] = logits_diff(got, logits1[plan_name, T], n)
         if plans:  # the noise floor: TP=1's two plans differ only in the order of fp32 sums
-            diffs[f"tp1-deterministic vs tp1/{T}"] = diff(logits1["tp1-deterministic", T], logits1["tp1", T])
+            diffs[f"tp1-deterministic vs tp1/{T}"] = logits_diff(
+                logits1["tp1-deterministic", T], logits1["tp1", T], n
+            )
         ms = two.time_ms(T)
         rows.append(dict(variant="tp2", bucket=T, step_ms=ms))
         print(

@@ -105,7 +105,7 @@ class TensorParallelLoop:
         no_bucket = len(self.follower_graphs.buckets)
         bucket = torch.full((1,), no_bucket, dtype=torch.int32, device=d1)
         keep_running = torch.ones(1, dtype=torch.int32, device=d1)
-        self._warm_link(bucket, keep_running)
+        self._warm_link(bucket, keep_running, no_bucket)
         with stage("capturing both ranks' device loops"):
             leader = DeviceLoop(
                 leader_body(lead, self.step.body(), state.keep_running),
@@ -121,7 +121,7 @@ class TensorParallelLoop:
             )  # fmt: skip
         return LinkedLoops(leader, follower)
 
-    def _warm_link(self, bucket: torch.Tensor, keep_running: torch.Tensor) -> None:
+    def _warm_link(self, bucket: torch.Tensor, keep_running: torch.Tensor, no_bucket: int) -> None:
         """Compile and load the link's kernels on their GPUs, for the tensors the loops pass them, by
         one plan over scratch words: the loops' own words stay at zero, rank 1's inputs take rank
         0's (as every plan gives them), its bucket and keep_running keep their values."""
@@ -133,7 +133,7 @@ class TensorParallelLoop:
         with torch.cuda.device(d1):
             follow.follow(
                 self.step.forward_runner.inputs, self.follower.inputs, state.bucket_index, bucket, keep_running,
-                len(self.follower_graphs.buckets),
+                no_bucket,
             )  # fmt: skip
         with torch.cuda.device(d0):
             lead.after_commit(state.keep_running)
