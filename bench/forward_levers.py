@@ -24,6 +24,8 @@ weights, cuBLAS everywhere, bf16 logits plus a cast):
 - prod: the forward as it ships (skinny128+nn+lmfp32+pdl+tqkv).
 - fp32p: split-K partials in fp32 instead of the weights' dtype.
 - siluk: at 65-128 tokens SiLU*up in its own kernel instead of the gate+up GEMM's epilogue.
+- silud16: up to 16 tokens the down GEMM computes silu(gate)*up in its prologue from the gate+up
+  GEMM's output (128-row tiles), the plan before 2026-11-28 (now the gate+up GEMM's epilogue writes it).
 - parts: `deterministic_gemms` (profile engine.deterministic): O and down write split-K partials that
   the next norm sums (O at 65-128 tokens on cuBLAS) instead of adding into the fp32 residual stream.
 - <proj>.<field>=<int> (proj qkv, o, gate_up, down; a GemmLaunch field): that launch shape changed
@@ -78,7 +80,7 @@ from blink_appliance.model.presets import preset_config  # noqa: E402
 
 SKINNY = {"skinny": 16, "skinny64": 64, "skinny128": 128}  # lever -> triton_gemm_max_tokens
 PROD = {"skinny128", "nn", "lmfp32", "pdl", "tqkv"}
-PLAN_LEVERS = {"fp32p", "siluk", "parts"}
+PLAN_LEVERS = {"fp32p", "siluk", "parts", "silud16"}
 
 
 def plans(levers: set[str]):
@@ -92,6 +94,8 @@ def plans(levers: set[str]):
             g = replace(g, **{n: replace(getattr(g, n), fp32_partials=True) for n in split})
         if "siluk" in levers and g.silu_in_gate_up:
             g = replace(g, silu_in_gate_up=False)
+        if "silud16" in levers and t <= 16 and g.silu_in_gate_up:
+            g = replace(g, silu_in_down=True, silu_in_gate_up=False, gate_up=replace(g.gate_up, block_n=128))
         for lever in levers:
             if "=" in lever and not lever.startswith("attn"):
                 (proj, field), value = lever.split("=")[0].split("."), int(lever.split("=")[1])

@@ -107,7 +107,7 @@ def test_fixed_shape_forward_matches_reference_fp32(
             assert ((a - b).norm() / b.norm()).item() < 1e-5, f"{name} cache differs"
 
     # A decode-only step in a small bucket: the few-row path (split-K O/down GEMMs adding into the
-    # stream or writing partials the norms sum, SiLU in the down GEMM's prologue), or cuBLAS.
+    # stream or writing partials the norms sum, silu(gate)*up from the gate+up GEMM), or cuBLAS.
     batch = seqs.batch([(s, [40 + s]) for s in range(5)])
     want = ref_model(_to(batch, DEVICE), ref_kv)
     _poison(fwd)

@@ -11,8 +11,7 @@ GEMM. The first layer's norm gathers the token embeddings itself. GEMMs run thro
 decode-sized buckets (<= 128 tokens by default), where all four run through the swap-AB Triton GEMM
 (`decode_gemms`): QKV's split-K partials are summed by RoPE, and O and down add their products into
 the fp32 residual stream themselves (atomics; `deterministic_gemms` writes partials instead, summed
-by the next norm); SiLU*up moves into the down GEMM's prologue up to 16 tokens and into the gate+up
-GEMM's epilogue at 65-128.
+by the next norm); SiLU*up moves into the gate+up GEMM's epilogue up to 16 tokens and at 65-128.
 The final norm and the LM head run only on the `sample_rows` gather (a fixed number of rows per
 bucket, min(T, max_seqs); unused entries are -1 and give zero logits). With `score_rows` > 0 the
 final norm also gathers the `score_rows` inputs (prompt positions whose logprobs are scored) into

@@ -113,6 +113,15 @@ def _split(most: int, width: int | None, block_n: int, programs: int) -> int:
     return max(1, min(most, round(programs / -(-width // block_n))))
 
 
+def _tile(width: int | None, programs: int) -> int:
+    """Weight rows a program (64 or 128) that put the launch nearest `programs` programs: one wave
+    of full programs beats a second, partial one (8B gate+up at batch 1: 112 programs of 128 rows
+    5.350 ms, 224 of 64 rows 5.412)."""
+    if width is None:
+        return 64
+    return min((64, 128), key=lambda rows: abs(-(-width // rows) - programs))
+
+
 def decode_gemms(num_tokens: int, config: ModelConfig | None = None) -> DecodeGemms:
     """Per bucket, from bench/gemm_chain.py on the H100 (16 launches in one graph, as the step runs them;
     bench/results/2026-11-23-h100-gemm-chain*.json), then checked in the whole step (forward_levers.py,
@@ -122,14 +131,17 @@ def decode_gemms(num_tokens: int, config: ModelConfig | None = None) -> DecodeGe
     O and down add their products into the fp32 residual stream (`accumulate`, split-K slices with
     atomics): no partials to write, and the norm after each reads only the stream (1B: T=8 1.199 ->
     1.153 ms, T=128 1.710 -> 1.673; O at 65-128 tokens moves off cuBLAS with it).
-    Up to 16 tokens everything is Triton and the SiLU runs in the down GEMM's prologue: recomputed per
-    weight tile, which is free at a few rows but costs 5x at 128; down splits 8 ways there.
+    Up to 16 tokens everything is Triton and the gate+up GEMM writes silu(gate)*up itself, in tiles
+    that give about 128 programs (`_tile`); down splits 8 ways there. Before, down computed the SiLU in
+    its prologue: an input that passes through registers on its way to the MMA slows the K loop (down
+    0.220 -> 0.207 ms of the 1B step; batch 1: 1B 1.056-1.063 -> 1.048 ms, 8B 5.442 -> 5.350,
+    bench/results/2026-11-28-h100-gated-gate-up.md).
     From 17 tokens on all rows sit in one 8-warp tile (weights read once), QKV splits K in two (RoPE sums
     the halves, kept in the weights' dtype: half the bytes of fp32) and QKV and O take 128-deep K tiles.
     17-64 tokens: SiLU in its own kernel (the gated gate+up GEMM measured slower here: 1.376 -> 1.393 ms
     at T=32). 65-128 tokens: the gate+up GEMM writes silu(gate)*up itself (no activation kernel, 1B
     T=128 1.806 -> 1.753 ms).
-    Up to 16 tokens down takes 128-row weight tiles (half the SiLU prologue's re-reads), and QKV, O
+    Up to 16 tokens down takes 128-row weight tiles, and QKV, O
     and down split K until a launch has about 192, 128 and 128 programs: 4, 4 and 8 ways for 1B, 2, 2
     and 4 for 8B (batch 1, 256 keys: 1B 1.109 -> 1.092 ms, 8B 5.707 -> 5.597; 8B at 4096 keys 6.167 ->
     6.052; bench/results/2026-11-27-h100-b1-launch-plans.md)."""
@@ -139,9 +151,9 @@ def decode_gemms(num_tokens: int, config: ModelConfig | None = None) -> DecodeGe
         return DecodeGemms(
             qkv=GemmLaunch(split_k=_split(4, qkv_width, 64, 192), block_k=64),
             o=GemmLaunch(split_k=_split(4, hidden, 64, 128), accumulate=True),
-            gate_up=GemmLaunch(block_n=128, block_k=64),
+            gate_up=GemmLaunch(block_n=_tile(config.intermediate_size if config else None, 128), block_k=64),
             down=GemmLaunch(split_k=_split(8, hidden, 128, 128), block_n=128, accumulate=True),
-            silu_in_down=True,
+            silu_in_gate_up=True,
         )
     if num_tokens > 128:
         return CUBLAS_GEMMS
