@@ -136,6 +136,31 @@ def _to(batch, device):
     return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)})
 
 
+def test_decode_step_with_silu_in_the_down_gemm_matches_reference():
+    """The plan before 2026-11-28 (forward_levers' silud16 lever): up to 16 tokens down computes
+    silu(gate) * up in its prologue from the gate+up GEMM's output."""
+    ckpt = load_checkpoint("dummy:tiny", seed=3)
+    cfg = ckpt.config
+    ref_model = build_model(ckpt, torch.float32, DEVICE)
+    ref_kv, kv = _fresh_kv(cfg, torch.float32, DEVICE), _fresh_kv(cfg, torch.float32, DEVICE)
+
+    def plan(t: int, config=None):
+        return replace(decode_gemms(t, config), silu_in_down=True, silu_in_gate_up=False)
+
+    fwd = GpuForward(
+        cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
+        max_tokens=8, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS, gemm_plan=plan,
+    )  # fmt: skip
+    seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
+    for chunks in ([(s, [3 + s, 9]) for s in range(4)], [(s, [20 + s]) for s in range(4)]):
+        batch = seqs.batch(chunks)
+        want = ref_model(_to(batch, DEVICE), ref_kv)
+        _poison(fwd)
+        fwd.load_batch(batch, 8)
+        got = fwd.step(8)[: batch.sample_rows.shape[0]]
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
 def test_load_batch_refuses_what_does_not_fit():
     ckpt = load_checkpoint("dummy:tiny")
     cfg = ckpt.config

@@ -40,7 +40,9 @@ def test_buckets_past_16_tokens_do_not_depend_on_the_model_yet():
         assert decode_gemms(bucket, eight_b) == decode_gemms(bucket)
 
 
-@pytest.mark.parametrize(("model", "rows"), [("llama-3.2-1b", 64), ("llama-3.1-8b", 128), ("smollm2-135m", 64)])
+@pytest.mark.parametrize(
+    ("model", "rows"), [("llama-3.2-1b", 64), ("llama-3.1-8b", 128), ("smollm2-135m", 64)]
+)
 def test_decode_buckets_write_the_activation_from_the_gate_up_gemm(model, rows):
     """Up to 16 tokens the gate+up GEMM writes silu(gate) * up (down reads it through its plain
     pipeline, not a prologue), in tiles that give nearest 128 programs: 8192 / 64 for 1B, 14336 / 128
