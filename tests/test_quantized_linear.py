@@ -151,11 +151,13 @@ def test_profile_key():
 def test_smollm2_teacher_forced_logits_close_and_greedy_equal_off_near_ties(smollm2_gguf_path):
     """The default model (Q4_1 layers, Q8_0 embeddings) along the reference's greedy stream, 24 steps.
 
-    Logits stay within 0.75 (their max is about 35; measured worst 0.48). The greedy pick may differ
-    only where the reference's top two are within twice that: measured, "Write a haiku about GPUs."
-    flips at step 0 (margin 0.26) and step 6 (0.03), so free-running greedy streams can part there.
+    Logits stay within 1.0 (their max is about 35). The worst measured depends on the host's CPU, whose
+    instruction set picks torch's int4 kernel's code path: 0.48 on an AVX-512 host, 0.85 on an AVX2-only
+    one (2026-11-28). The greedy pick may differ only where the reference's top two are within twice
+    the bound: measured on both hosts, "Write a haiku about GPUs." flips at step 0 (margin 0.26) and
+    step 6 (0.03), so free-running greedy streams can part there.
     """
-    tol = 0.75
+    tol = 1.0
     ckpt = load_checkpoint(f"gguf:{smollm2_gguf_path}")
     reference = build_model(ckpt)
     quantized = build_model(load_checkpoint(f"gguf:{smollm2_gguf_path}", quantized=True))
