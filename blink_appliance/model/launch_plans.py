@@ -134,8 +134,8 @@ def decode_gemms(num_tokens: int, config: ModelConfig | None = None) -> DecodeGe
     Up to 16 tokens everything is Triton and the gate+up GEMM writes silu(gate)*up itself, in tiles
     that give about 128 programs (`_tile`); down splits 8 ways there. Before, down computed the SiLU in
     its prologue: an input that passes through registers on its way to the MMA slows the K loop (down
-    0.220 -> 0.207 ms of the 1B step; batch 1: 1B 1.056-1.063 -> 1.048 ms, 8B 5.442 -> 5.350,
-    bench/results/2026-11-28-h100-gated-gate-up.md).
+    0.220 -> 0.208 ms of the 1B step; batch 1: 1B 1.069 -> 1.044-1.055 ms, 8B 5.444 -> 5.357-5.367;
+    through HTTP 1.143 -> 1.125 and 5.540 -> 5.453 ms, bench/results/2026-11-28-h100-gated-gate-up.md).
     From 17 tokens on all rows sit in one 8-warp tile (weights read once), QKV splits K in two (RoPE sums
     the halves, kept in the weights' dtype: half the bytes of fp32) and QKV and O take 128-deep K tiles.
     17-64 tokens: SiLU in its own kernel (the gated gate+up GEMM measured slower here: 1.376 -> 1.393 ms
