@@ -5,13 +5,8 @@
 # host's stacks (pytest's faulthandler_timeout, --hang-s) instead of eating the call.
 # Usage, on the GPU host from the repo root with the wheels in .whl/: bash bench/tp_check.sh OUT_DIR [model]
 set -uo pipefail
-# Every module loaded when the context starts, not at a kernel's first launch.
-export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONPATH=.
-out=${1:?OUT_DIR}
+source "$(dirname "$0")/tp_setup.sh" "$@"
 model=${2:-llama-3.1-8b}
-mkdir -p "$out"
-python3 -m pip install -q --no-deps .whl/*.whl && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -3
 timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -o faulthandler_timeout=120 tests/test_tensor_parallel.py \
   "tests/test_device_loop.py::test_switches_route_to_real_forward_bucket_graphs" 2>&1 | tail -5

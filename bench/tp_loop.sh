@@ -7,11 +7,7 @@
 #    only once its test has passed.
 # Usage, on the GPU host from the repo root with the wheels in .whl/: bash bench/tp_loop.sh OUT_DIR
 set -uo pipefail
-export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONPATH=.
-out=${1:?OUT_DIR}
-mkdir -p "$out"
-python3 -m pip install -q --no-deps .whl/*.whl && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source "$(dirname "$0")/tp_setup.sh" "$@"
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -o faulthandler_timeout=150 -k "tp2" \
   "tests/test_loop_engine_server.py::test_greedy_streams_through_the_loop_equal_the_reference_engine_and_cancel_and_shutdown_work" \
   > "$out/pytest-tp2.log" 2>&1

@@ -5,11 +5,7 @@
 # TP=1 (buckets 1 and 8, 16 greedy tokens) in the first way that completed.
 # Usage, on the GPU host from the repo root with the wheels in .whl/: bash bench/tp_probe.sh OUT_DIR
 set -uo pipefail
-export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 PYTHONPATH=.
-out=${1:?OUT_DIR}
-mkdir -p "$out"
-python3 -m pip install -q --no-deps .whl/*.whl && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source "$(dirname "$0")/tp_setup.sh" "$@"
 timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -o faulthandler_timeout=80 tests/test_tensor_parallel.py 2>&1 | tail -5
 works=""
 for way in "" "--no-pdl" "--eager"; do
