@@ -403,7 +403,11 @@ def build_loop_server(
             ring_bytes = torch.frombuffer(transport.buffer, dtype=torch.uint8)
             offset = None
         ranks = None
-        if model.tensor_parallel > 1:  # profile checks: mode "loop" on CUDA devices
+        if model.tensor_parallel > 1:
+            if mode != "loop":  # profile checks refuse it too
+                raise ProfileError(
+                    f"{model.key('tensor_parallel')}: the ranks run in engine.mode 'loop' only"
+                )
             from blink_appliance.engine.loop.ranks import TensorParallelLoop
 
             ranks = TensorParallelLoop.build(
@@ -422,23 +426,22 @@ def build_loop_server(
         # loop's graph needs everything compiled and warm before it is built.
         step.warmup()
         device_loop = None
-        if ranks is not None:
-            from blink_appliance.engine.loop.mapped_region import RingWords
-
-            device_loop = ranks.loops(RingWords.of(mapped), control)
-            owned.append(device_loop)
-        elif mode == "loop":
+        if mode == "loop":
             from blink_appliance.engine.loop.graph import DeviceLoop
             from blink_appliance.engine.loop.mapped_region import RingWords
 
-            with stage("capturing the device loop's graph"):
-                device_loop = DeviceLoop(
-                    step.body(),
-                    num_active=step.state.num_active,
-                    keep_running=step.state.keep_running,
-                    ring=RingWords.of(mapped),
-                    control=control,
-                )
+            ring_words = RingWords.of(mapped)
+            if ranks is not None:
+                device_loop = ranks.loops(ring_words, control)
+            else:
+                with stage("capturing the device loop's graph"):
+                    device_loop = DeviceLoop(
+                        step.body(),
+                        num_active=step.state.num_active,
+                        keep_running=step.state.keep_running,
+                        ring=ring_words,
+                        control=control,
+                    )
             owned.append(device_loop)
         server = LoopEngineServer(
             region,
