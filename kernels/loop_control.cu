@@ -22,12 +22,12 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
 // that schedule has not consumed) or shutdown is requested. While idle it sleeps with exponential
 // backoff from min_sleep_ns to max_sleep_ns, so an idle loop costs a few bus reads per max_sleep_ns
 // and a request arriving after a long idle period is seen within about max_sleep_ns.
-extern "C" __global__ void wait_for_work(const int* num_active,
-                                         const unsigned long long* req_head,
-                                         const unsigned long long* req_tail,
-                                         const unsigned long long* shutdown,
-                                         unsigned int min_sleep_ns,
-                                         unsigned int max_sleep_ns) {
+__device__ __forceinline__ void idle_poll(const int* num_active,
+                                          const unsigned long long* req_head,
+                                          const unsigned long long* req_tail,
+                                          const unsigned long long* shutdown,
+                                          unsigned int min_sleep_ns,
+                                          unsigned int max_sleep_ns) {
     const volatile int* active = num_active;
     const volatile unsigned long long* head = req_head;
     const volatile unsigned long long* tail = req_tail;
@@ -39,6 +39,32 @@ extern "C" __global__ void wait_for_work(const int* num_active,
     }
 }
 
+extern "C" __global__ void wait_for_work(const int* num_active,
+                                         const unsigned long long* req_head,
+                                         const unsigned long long* req_tail,
+                                         const unsigned long long* shutdown,
+                                         unsigned int min_sleep_ns,
+                                         unsigned int max_sleep_ns) {
+    idle_poll(num_active, req_head, req_tail, shutdown, min_sleep_ns, max_sleep_ns);
+}
+
+// The end of an iteration: the WHILE condition, and when the body runs again the idle poll that
+// would otherwise open the next iteration as a kernel of its own (one dependent launch fewer a step).
+extern "C" __global__ void wait_and_set_while(unsigned long long handle,
+                                              const int* keep_running,
+                                              const int* num_active,
+                                              const unsigned long long* req_head,
+                                              const unsigned long long* req_tail,
+                                              const unsigned long long* shutdown,
+                                              unsigned int min_sleep_ns,
+                                              unsigned int max_sleep_ns) {
+    const bool keep = *keep_running != 0;
+    if (keep) {
+        idle_poll(num_active, req_head, req_tail, shutdown, min_sleep_ns, max_sleep_ns);
+    }
+    cudaGraphSetConditional(handle, keep ? 1u : 0u);
+}
+
 // WHILE condition: the body runs again while *keep_running != 0.
 extern "C" __global__ void set_while(unsigned long long handle, const int* keep_running) {
     cudaGraphSetConditional(handle, *keep_running != 0 ? 1u : 0u);
@@ -47,6 +73,13 @@ extern "C" __global__ void set_while(unsigned long long handle, const int* keep_
 // SWITCH value: branch *value runs; a value >= the number of branches (or negative) runs none.
 extern "C" __global__ void set_switch(unsigned long long handle, const int* value) {
     cudaGraphSetConditional(handle, static_cast<unsigned int>(*value));
+}
+
+// The values of n SWITCH nodes that follow one another, set by one launch: handles[i] gets *values[i].
+extern "C" __global__ void set_switches(const unsigned long long* handles, const int* const* values, int n) {
+    for (int i = 0; i < n; ++i) {
+        cudaGraphSetConditional(handles[i], static_cast<unsigned int>(*values[i]));
+    }
 }
 
 // The device clock (ns) into *out: for the host/device clock offset and for latency stamps.

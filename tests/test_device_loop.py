@@ -16,7 +16,7 @@ from blink_appliance.engine.loop.control import KERNELS, Backoff, kernel_source
 from blink_appliance.engine.loop.graph import (
     CaptureStep,
     RawGraph,
-    SetSwitch,
+    SetSwitches,
     SetWhile,
     Switch,
     SwitchStep,
@@ -40,7 +40,7 @@ def _i32(value: int = 0, device: str = "cpu") -> torch.Tensor:
 
 
 # -- CPU: planning and validation ------------------------------------------------------------------
-def test_plan_puts_setters_before_each_switch_and_set_while_last():
+def test_plan_sets_each_run_of_switches_in_one_launch_and_set_while_last():
     def a() -> None: ...
 
     def b() -> None: ...
@@ -49,17 +49,22 @@ def test_plan_puts_setters_before_each_switch_and_set_while_last():
 
     s1 = Switch("bucket", _i32(), [[RawGraph(1)], [RawGraph(2)]])
     s2 = Switch("sampler", _i32(), [[a], [b]])
-    plan = plan_body([a, b, s1, s2, c])
-    assert plan.switches == [s1, s2]
+    s3 = Switch("third", _i32(), [[c]])
+    plan = plan_body([a, b, s1, s2, c, s3])
+    assert plan.switches == [s1, s2, s3]
     assert plan.steps == [
-        CaptureStep([a, b, SetSwitch(0)]),
+        CaptureStep([a, b, SetSwitches((0, 1))]),  # consecutive switches: one setter before the run
         SwitchStep(0),
-        CaptureStep([SetSwitch(1)]),  # a switch right after a switch gets a capture of its setter
         SwitchStep(1),
-        CaptureStep([c, SetWhile()]),
+        CaptureStep([c, SetSwitches((2,))]),  # a launch between switches: its own setter after it
+        SwitchStep(2),
+        CaptureStep([SetWhile()]),  # a body ending in a switch still ends with a capture of set_while
     ]
-    # A body ending in a switch still ends with a capture holding set_while.
-    assert plan_body([s1]).steps == [CaptureStep([SetSwitch(0)]), SwitchStep(0), CaptureStep([SetWhile()])]
+    assert plan_body([s1]).steps == [
+        CaptureStep([SetSwitches((0,))]),
+        SwitchStep(0),
+        CaptureStep([SetWhile()]),
+    ]
 
 
 def test_engine_body_is_schedule_bucket_switch_sampler_switch_commit():
@@ -88,9 +93,12 @@ def test_engine_body_is_schedule_bucket_switch_sampler_switch_commit():
     assert [list(b) for b in bucket.branches] == [[RawGraph(1008)], [RawGraph(1032)], [RawGraph(1128)]]
     assert [list(b) for b in sampler.branches] == [[greedy], [full]]
     steps = plan_body(body).steps
-    assert steps[0] == CaptureStep([schedule, SetSwitch(0)]) and steps[-1] == CaptureStep(
-        [commit, SetWhile()]
-    )
+    assert steps == [
+        CaptureStep([schedule, SetSwitches((0, 1))]),
+        SwitchStep(0),
+        SwitchStep(1),
+        CaptureStep([commit, SetWhile()]),
+    ]
 
 
 def test_switch_and_backoff_validation():
@@ -314,7 +322,9 @@ def test_idle_loop_wakes_on_a_host_write_and_stops_on_shutdown(ring, control):
     t0 = time.monotonic()
     loop.stop(timeout_s=1.0)
     assert time.monotonic() - t0 < 1.0
-    assert int(iterations.item()) == 2  # one for the record, one to see shutdown
+    # One at launch (the idle poll ends an iteration, it does not open one), one for the record, one
+    # to see shutdown.
+    assert int(iterations.item()) == 3
     loop.close()
 
 

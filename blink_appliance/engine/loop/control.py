@@ -1,10 +1,14 @@
 """The device loop's control kernels (kernels/loop_control.cu): compiled once with NVRTC, launched on
 torch's current stream so that a torch graph capture records them as kernel nodes.
 
-- `wait_for_work`: the idle poll at the top of every iteration (spins with __nanosleep backoff while
-  no slot is active, the request ring is empty and shutdown is not set).
+- `wait_for_work`: the idle poll (spins with __nanosleep backoff while no slot is active, the request
+  ring is empty and shutdown is not set).
 - `set_while` / `set_switch`: write a conditional node's value from the device
   (cudaGraphSetConditional); the handle is a plain 64-bit kernel argument, fixed at capture.
+- `set_switches`: the values of several SWITCH nodes in one launch (handles and value pointers in
+  device arrays the caller keeps alive as long as the graph).
+- `wait_and_set_while`: the end of an iteration, the WHILE condition and, when the body runs again,
+  the idle poll for the next iteration.
 - `stamp_globaltimer`: the device clock, for `measure_clock_offset_ns` and latency stamps.
 
 A conditional handle is only valid inside the graph it belongs to: never launch set_while or
@@ -14,6 +18,7 @@ set_switch outside a capture.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +29,14 @@ import blink_appliance.kernels
 from blink_appliance.engine.loop.mapped_region import RingWords
 
 KERNEL_FILE = Path(blink_appliance.kernels.__file__).with_name("loop_control.cu")
-KERNELS = ("wait_for_work", "set_while", "set_switch", "stamp_globaltimer")
+KERNELS = (
+    "wait_for_work",
+    "wait_and_set_while",
+    "set_while",
+    "set_switch",
+    "set_switches",
+    "stamp_globaltimer",
+)
 MAX_NANOSLEEP_NS = 1_000_000  # __nanosleep's documented ceiling
 
 
@@ -86,8 +98,25 @@ class LoopControl:
             self._kernels[name]((1,), (1,), args)
 
     def wait_for_work(self, num_active: torch.Tensor, ring: RingWords, backoff: Backoff) -> None:
+        self._launch("wait_for_work", *self._poll_args(num_active, ring, backoff))
+
+    def wait_and_set_while(
+        self,
+        handle: int,
+        keep_running: torch.Tensor,
+        num_active: torch.Tensor,
+        ring: RingWords,
+        backoff: Backoff,
+    ) -> None:
         self._launch(
-            "wait_for_work",
+            "wait_and_set_while",
+            np.uint64(handle),
+            _pointer(keep_running, torch.int32, self.device, "keep_running"),
+            *self._poll_args(num_active, ring, backoff),
+        )
+
+    def _poll_args(self, num_active: torch.Tensor, ring: RingWords, backoff: Backoff) -> tuple[object, ...]:
+        return (
             _pointer(num_active, torch.int32, self.device, "num_active"),
             _pointer(ring.req_head, torch.int64, self.device, "req_head"),
             _pointer(ring.req_tail, torch.int64, self.device, "req_tail"),
@@ -104,6 +133,27 @@ class LoopControl:
     def set_switch(self, handle: int, value: torch.Tensor) -> None:
         self._launch(
             "set_switch", np.uint64(handle), _pointer(value, torch.int32, self.device, "switch value")
+        )
+
+    def switch_table(self, handles: Sequence[int], values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The device array `set_switches` reads: n handles, then n value pointers. Build it before the
+        capture (a copy to the device is not capturable) and keep it alive as long as the graph."""
+        if len(handles) != len(values) or not handles:
+            raise ValueError(
+                f"a switch table needs as many values as handles, got {len(handles)} / {len(values)}"
+            )
+        words = [int(h) for h in handles] + [
+            int(_pointer(v, torch.int32, self.device, "switch value")) for v in values
+        ]
+        return torch.tensor(np.array(words, dtype=np.uint64).view(np.int64)).to(self.device)
+
+    def set_switches(self, table: torch.Tensor) -> None:
+        """One launch that sets the SWITCH nodes of a `switch_table`."""
+        n = table.numel() // 2
+        if table.dtype != torch.int64 or table.device != self.device or table.numel() != 2 * n or not n:
+            raise ValueError("set_switches needs a switch_table of this device")
+        self._launch(
+            "set_switches", np.uint64(table.data_ptr()), np.uint64(table.data_ptr() + 8 * n), np.int32(n)
         )
 
     def stamp_globaltimer(self, out: torch.Tensor) -> None:

@@ -1,18 +1,20 @@
 """The outer CUDA graph of the GPU loop: one WHILE node whose body is the whole engine iteration.
 
     graph:  WHILE(keep_running) {
-              [captured: wait_for_work -> launches ... -> set_switch(A)]
+              [captured: launches ... -> set_switches(A, B)]
               SWITCH A { branch 0 | branch 1 | ... }           value >= branches: none runs
-              [captured: launches ... -> set_switch(B)]
               SWITCH B { ... }
-              [captured: launches ... -> set_while(keep_running)]
+              [captured: launches ... -> wait_and_set_while(keep_running)]
             }
 
 The body is given as a list of segments: a `Launch` is a Python callable that launches device work
 on torch's current stream (Triton, torch ops, the control kernels); consecutive launches are
 captured together (torch.cuda.graph, keep_graph=True) into one child graph. A `Switch` reads its
-value from an int32 [1] device tensor; the loop appends the kernel that hands that value to the
-SWITCH node to the capture before it, and appends `set_while` to the last capture. Branches are
+value from an int32 [1] device tensor. Switches that follow one another get their values from one
+kernel at the end of the capture before the first of them, so a switch's branches must not change
+the value of the switches after it (each dependent launch costs the step 1.5-3 us). The last capture
+ends with the kernel that hands keep_running to the WHILE node and, with a ring, first waits there
+for work: the idle poll of the next iteration, in the same launch. Branches are
 sequences of parts: a Launch (captured here) or a `RawGraph` captured elsewhere (e.g.
 ForwardGraphs.raw_cuda_graph(T)), run in order. Every capture here shares one memory pool.
 
@@ -83,20 +85,22 @@ Segment = Launch | Switch
 
 # -- the plan: which launches are captured together, where the conditional setters go --------------
 @dataclass(frozen=True)
-class SetSwitch:
-    """Plan marker: the kernel that hands switch `index`'s value to its SWITCH node."""
+class SetSwitches:
+    """Plan marker: the kernel that hands the values of switches `indices` (a run of consecutive
+    switches) to their SWITCH nodes."""
 
-    index: int
+    indices: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class SetWhile:
-    """Plan marker: the kernel that hands keep_running to the WHILE node."""
+    """Plan marker: the kernel that hands keep_running to the WHILE node (after the idle poll of the
+    next iteration, for a loop with a ring)."""
 
 
 @dataclass
 class CaptureStep:
-    launches: list[Launch | SetSwitch | SetWhile] = field(default_factory=list)
+    launches: list[Launch | SetSwitches | SetWhile] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -113,23 +117,31 @@ class BodyPlan:
 def plan_body(segments: Sequence[Segment]) -> BodyPlan:
     """Group the body into captured child graphs and SWITCH nodes, in order.
 
-    Each switch's setter goes at the end of the capture right before it (a capture of the setter
-    alone when the switch follows another switch or opens the body); set_while ends the last
-    capture. So the body is always capture, (switch, capture)*.
+    A run of consecutive switches gets one setter, at the end of the capture right before the run (a
+    capture of the setter alone when the run opens the body); set_while ends the last capture. So the
+    body is always capture, (switch+, capture)*.
     """
+    for segment in segments:
+        if not (isinstance(segment, Switch) or callable(segment)):
+            raise TypeError(f"a loop body segment must be a launch or a Switch, not {segment!r}")
     steps: list[CaptureStep | SwitchStep] = []
     switches: list[Switch] = []
     pending = CaptureStep()
-    for segment in segments:
-        if isinstance(segment, Switch):
-            pending.launches.append(SetSwitch(len(switches)))
-            steps += [pending, SwitchStep(len(switches))]
-            switches.append(segment)
-            pending = CaptureStep()
-        elif callable(segment):
+    i = 0
+    while i < len(segments):
+        segment = segments[i]
+        if not isinstance(segment, Switch):
             pending.launches.append(segment)
-        else:
-            raise TypeError(f"a loop body segment must be a launch or a Switch, not {segment!r}")
+            i += 1
+            continue
+        run = []
+        while i < len(segments) and isinstance(segments[i], Switch):
+            run.append(len(switches))
+            switches.append(segments[i])
+            i += 1
+        pending.launches.append(SetSwitches(tuple(run)))
+        steps += [pending, *(SwitchStep(k) for k in run)]
+        pending = CaptureStep()
     pending.launches.append(SetWhile())
     steps.append(pending)
     return BodyPlan(steps, switches)
@@ -199,12 +211,9 @@ class DeviceLoop:
         self.num_active = num_active
         self.backoff = backoff
 
-        def wait() -> None:
-            control.wait_for_work(num_active, ring, backoff)
-
-        # Without a ring (a tensor-parallel follower, engine/loop/plan_link.py) the body's own first
-        # launch waits, for the leader's plan.
-        self.plan = plan_body([wait, *body] if ring is not None else list(body))
+        self.plan = plan_body(list(body))
+        # The setters' device arrays (LoopControl.switch_table), built before any capture reads them.
+        self._switch_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._captures: list[torch.cuda.CUDAGraph] = []  # their graphs and pool back our clones
         self._pool = torch.cuda.graph_pool_handle()
         self._graph = None
@@ -234,6 +243,13 @@ class DeviceLoop:
             ]
             self.while_handle = int(while_handle)
             self.switch_handles = [int(h) for h in handles]
+            for step in self.plan.steps:
+                for launch in step.launches if isinstance(step, CaptureStep) else ():
+                    if isinstance(launch, SetSwitches) and len(launch.indices) > 1:
+                        self._switch_tables[launch.indices] = self.control.switch_table(
+                            [self.switch_handles[i] for i in launch.indices],
+                            [self.plan.switches[i].value for i in launch.indices],
+                        )
 
             last = None
             for step in self.plan.steps:
@@ -257,21 +273,30 @@ class DeviceLoop:
             (self._exec,) = check(rt.cudaGraphInstantiate(self._graph, 0))
             (self._stream,) = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
 
-    def _capture(self, launches: Sequence[Launch | SetSwitch | SetWhile]) -> int:
+    def _capture(self, launches: Sequence[Launch | SetSwitches | SetWhile]) -> int:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         # torch's default capture stream lives on the device that first captured in the process, so
         # a loop on another GPU (tensor parallelism) names a stream of its own device.
         with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self.device)):
             for launch in launches:
-                if isinstance(launch, SetSwitch):
-                    switch = self.plan.switches[launch.index]
-                    self.control.set_switch(self.switch_handles[launch.index], switch.value)
-                elif isinstance(launch, SetWhile):
+                if isinstance(launch, SetSwitches):
+                    self._set_switches(launch.indices)
+                elif isinstance(launch, SetWhile) and self.ring is not None:
+                    self.control.wait_and_set_while(
+                        self.while_handle, self.keep_running, self.num_active, self.ring, self.backoff
+                    )
+                elif isinstance(launch, SetWhile):  # a follower: its first launch waits (plan_link)
                     self.control.set_while(self.while_handle, self.keep_running)
                 else:
                     launch()
         self._captures.append(graph)
         return graph.raw_cuda_graph()
+
+    def _set_switches(self, indices: tuple[int, ...]) -> None:
+        if len(indices) == 1:
+            self.control.set_switch(self.switch_handles[indices[0]], self.plan.switches[indices[0]].value)
+        else:
+            self.control.set_switches(self._switch_tables[indices])
 
     @staticmethod
     def _add_child(graph, after, child: int):
@@ -349,3 +374,4 @@ class DeviceLoop:
             check(rt.cudaStreamDestroy(self._stream))
             self._stream = None
         self._captures.clear()
+        self._switch_tables.clear()
