@@ -330,18 +330,21 @@ async def profile_geometry(spec: str, ckpt, args, plen: int) -> dict:
         ] + ([Case(b, False, None, True) for b in batches] if args.penalties else [])
         # Host-driven launches read these two per step; the loop's captured graph keeps its own.
         knobs = [
-            (w, r)
+            (w, c, r)
             for w in args.schedule_warps or [rig.step.scheduler.num_warps]
+            for c in args.commit_warps or [rig.step.committer.num_warps]
             for r in args.rejection_rounds or [rig.step.sampler.rejection_rounds]
         ]
         if args.schedule_phases:
             rig.step.scheduler.stamp_phases()
-        for warps, rounds in knobs:
+        for warps, commit_warps, rounds in knobs:
             rig.step.scheduler.num_warps, rig.step.sampler.rejection_rounds = warps, rounds
+            rig.step.committer.num_warps = commit_warps
             for case in cases:
                 result = await host_case(rig, client, clock, case, args, plen)
-                out["cases"].append(result | {"schedule_warps": warps, "rejection_rounds": rounds})
-                print(f"[{spec}] {case.name} w{warps} r{rounds} at {time.monotonic() - t0:.0f} s: "
+                knob = {"schedule_warps": warps, "commit_warps": commit_warps, "rejection_rounds": rounds}
+                out["cases"].append(result | knob)
+                print(f"[{spec}] {case.name} w{warps} c{commit_warps} r{rounds} at {time.monotonic() - t0:.0f} s: "
                       f"{json.dumps(result['median_ms'])}")  # fmt: skip
                 if result["schedule_phases_us"]:
                     print(
@@ -388,7 +391,7 @@ def table(results: list[dict]) -> str:
         for c in r["cases"]:
             m, tpot = c["median_ms"], c.get("loop_tpot_p50_ms")
             lines.append(
-                f"| {r['spec']} | {c['case']} w{c['schedule_warps']} r{c['rejection_rounds']} | {m['schedule']:.3f} | {m['forward']:.3f} {c['buckets']} | "
+                f"| {r['spec']} | {c['case']} w{c['schedule_warps']} c{c.get('commit_warps')} r{c['rejection_rounds']} | {m['schedule']:.3f} | {m['forward']:.3f} {c['buckets']} | "
                 f"{m['sample']:.3f} | {m['commit']:.3f} | {m['total']:.3f} | {c['host_step_wall_ms']:.3f} | "
                 f"{'-' if tpot is None else f'{tpot:.3f}'} |"
             )
@@ -420,6 +423,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--kv-gib", type=float, default=None, help="a fixed KV budget instead")
     ap.add_argument("--no-loop", action="store_true", help="skip the DeviceLoop TPOT run")
     ap.add_argument("--schedule-warps", nargs="+", type=int, default=None, help="host-driven cases per value")
+    ap.add_argument("--commit-warps", nargs="+", type=int, default=None, help="host-driven cases per value")
     ap.add_argument(
         "--rejection-rounds", nargs="+", type=int, default=None, help="host-driven cases per value"
     )

@@ -11,8 +11,8 @@ codes, counter indices and the channel structs' offsets arrive as constexprs (ke
    unless ignore_eos, stop ids -> STOP; max_tokens, max_model_len -> LENGTH). Publication: payload
    (tokens, times; the status record of a finishing row), a system-scope fence by every thread, a
    barrier, then `count` (i + 1, | FINAL_BIT
-   when finishing) with a system-scope release store, a barrier, then `done` = generation the
-   same way for a finishing row. A row whose output index is past the channel's capacity publishes
+   when finishing) with a system-scope release store; when a row finishes, a fence, a barrier,
+   then `done` = generation the same way for it. A row whose output index is past the channel's capacity publishes
    no token and finishes LENGTH (the ring server's rule; admission keeps max_tokens within it).
 2. Slots in FINISHING (schedule's cancels, rejected records, shutdown): status (their finish_reason
    / error_code, terminal_token 0), count = the channel's count | FINAL_BIT, done = generation.
@@ -168,18 +168,19 @@ def _commit_rows(
     count = tl.where(room, i + 1, i).to(tl.int64)
     count = tl.where(finished, count | final_bit, count)
     store_release(ring64_ptr + prog + CHANNEL.progress_count // 8, count, ON_GPU, mask=row)
-    fence_sys(ON_GPU)
-    tl.debug_barrier()
-    generation = tl.load(generation_ptr + s, mask=finished, other=0)
-    store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=finished)
-
-    top = _release_blocks(
-        s, finished, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr, MAX_BLOCKS,
-        BLOCK_B, Q,
-    )  # fmt: skip
-    tl.store(slot_state_ptr + s, tl.full([BLOCK_S], SLOT.FREE, tl.int32), mask=finished)
-    generated = tl.sum(room.to(tl.int64), 0)
     n_finished = tl.sum(finished.to(tl.int32), 0)
+    # Most steps finish no row: the second fence (a bus round trip) and the release are skipped then.
+    if n_finished > 0:
+        fence_sys(ON_GPU)
+        tl.debug_barrier()
+        generation = tl.load(generation_ptr + s, mask=finished, other=0)
+        store_release(ring64_ptr + prog + CHANNEL.progress_done // 8, generation, ON_GPU, mask=finished)
+        top = _release_blocks(
+            s, finished, top, block_table_ptr, num_blocks_ptr, free_blocks_ptr, blocks, lru_words_ptr,
+            MAX_BLOCKS, BLOCK_B, Q,
+        )  # fmt: skip
+        tl.store(slot_state_ptr + s, tl.full([BLOCK_S], SLOT.FREE, tl.int32), mask=finished)
+    generated = tl.sum(room.to(tl.int64), 0)
     return top, generated, n_finished
 
 

@@ -32,6 +32,14 @@ def snap_ring_word(src, dst, ON_GPU: tl.constexpr):
 
 
 @triton.jit
+def snap_tails(snap_ptr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where schedule's snap keeps req_tail and arena_tail, after take_records' words. They are the
+    program's own words (nothing else writes them while the loop runs), so it reads them there, not
+    over the bus; DeviceScheduler sets them from the ring before the first launch."""
+    return snap_ptr + 2 + 3 * BLOCK_R + BLOCK_D
+
+
+@triton.jit
 def snap_seq_words(records, tail, dst, N: tl.constexpr, REQ_SLOTS: tl.constexpr, REC_BYTES: tl.constexpr,
                    ON_GPU: tl.constexpr):  # fmt: skip
     """dst[r] = the seq word (first u64) of the record at position tail + r, r < N, acquired: thread r of

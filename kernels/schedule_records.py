@@ -15,7 +15,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 from blink_appliance.kernels.constraint import check_constraint, copy_constraints
-from blink_appliance.kernels.ring_access import snap_ring_word, snap_seq_words, store_release
+from blink_appliance.kernels.ring_access import snap_ring_word, snap_seq_words, snap_tails, store_release
 
 # Record outcomes inside the kernel besides "admitted" (0) and an ErrorCode (> 0).
 _UNADDRESSABLE = tl.constexpr(-1)
@@ -66,26 +66,23 @@ def read_ring_words(
     MAX_INFLIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     SLOT: tl.constexpr, CONTROL: tl.constexpr, CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
-    """Every read of the ring a step needs, in two bus round trips (the control and cancel words, then
-    the records at req_tail). Returns (shutdown, req_tail, arena_tail, live slots, slots with an
-    addressable channel, their cancel words, the records' positions, byte offsets and seq words)."""
+    """Every read of the ring a step needs, in one bus round trip (shutdown, cancel and seq words).
+    Returns (shutdown, req_tail, arena_tail, live slots, slots with an addressable channel, their
+    cancel words, the records' positions, byte offsets and seq words)."""
     ring_i64 = ring_ptr.to(tl.pointer_type(tl.int64))
     offs_d = tl.arange(0, BLOCK_D)
     live = md & ((st == SLOT.WAITING) | (st == SLOT.RUNNING))
     addressable = live & (ch_d >= 0) & (ch_d < MAX_INFLIGHT)
+    tails = snap_tails(snap_ptr, BLOCK_R, BLOCK_D)  # no bus round trip before the seq words at req_tail
+    tail = tl.load(tails)
+    arena_tail = tl.load(tails + 1)
     cancel_word = tl.load(
         ring_i64 + (OFF_CTL + ch_d.to(tl.int64) * CHANNEL.ctl_bytes + CHANNEL.ctl_cancel) // 8,
         mask=addressable, other=0, volatile=True,
     )  # fmt: skip
     # Each word read by one thread, then one value for every thread through the snap (schedule.py): [0]
-    # shutdown, [2, +BLOCK_R) seq words, [2 + BLOCK_R, +BLOCK_D) live slots' cancel words, [at, +2) tails.
-    at = 2 + 3 * BLOCK_R + BLOCK_D  # after take_records' words
+    # shutdown, [2, +BLOCK_R) seq words, [2 + BLOCK_R, +BLOCK_D) live slots' cancel words.
     snap_ring_word(ring_i64 + CONTROL.shutdown // 8, snap_ptr, ON_GPU)
-    snap_ring_word(ring_i64 + CONTROL.req_tail // 8, snap_ptr + at, ON_GPU)
-    snap_ring_word(ring_i64 + CONTROL.arena_tail // 8, snap_ptr + at + 1, ON_GPU)
-    tl.debug_barrier()
-    tail = tl.load(snap_ptr + at, volatile=True)
-    arena_tail = tl.load(snap_ptr + at + 1, volatile=True)
     offs_r = tl.arange(0, BLOCK_R)
     position = tail + offs_r
     rec = OFF_RECORDS + (position % REQ_SLOTS) * REC_BYTES
@@ -167,6 +164,9 @@ def take_records(
     tl.debug_barrier()
     store_release(ring_i64 + CONTROL.req_tail // 8, tail + n_records, ON_GPU)
     store_release(ring_i64 + CONTROL.arena_tail // 8, arena_tail, ON_GPU)
+    tails = snap_tails(snap_ptr, BLOCK_R, BLOCK_D)  # read by every warp before read_ring_words' barrier
+    tl.store(tails, tail + n_records)
+    tl.store(tails + 1, arena_tail)
     offs_d = tl.arange(0, BLOCK_D)
     st = tl.load(slots.slot_state + offs_d, mask=md, other=SLOT.FREE)
     return n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st

@@ -163,6 +163,7 @@ class Twin:
             ring = torch.frombuffer(self.dev_transport.buffer, dtype=torch.uint8)
         # A tile of one puts each running sequence and block-table row in a tile of its own.
         tile = {} if rank_tile is None else {"rank_tile": rank_tile, "table_row_tile": rank_tile}
+        self.ring, self.layout = ring, layout
         self.scheduler = DeviceScheduler(loop, self.state, ring, layout, self.inputs, ENGINE_SEED, **tile)
         self.graph = None
         if cuda_graph:  # launch() recorded once, replayed every iteration

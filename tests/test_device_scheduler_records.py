@@ -146,6 +146,40 @@ def test_records_beyond_free_slots_wait_in_the_ring():
     assert sorted(t.state.request_id.tolist()) == [2, 3, 5, 6]
 
 
+def test_a_new_schedule_program_starts_at_the_tails_the_ring_has():
+    """req_tail and arena_tail are the schedule program's own words, kept on the device between
+    launches: a scheduler built over a ring another one consumed from (an engine restart) starts where
+    that one stopped, neither taking old records again nor missing new ones."""
+    from blink_appliance.engine.loop.scheduler import DeviceScheduler
+    from blink_appliance.engine.loop.state import DeviceState
+    from blink_appliance.model.step_inputs import StepInputs
+    from tests.scheduler_twin import DEVICE, ENGINE_SEED
+
+    t = Twin(check_slot_is_channel=False)
+    for i in range(3):
+        t.front.submit(prompt(4, i))
+    t.launch()
+    assert t.dev_region.load("req_tail") == 3 and t.dev_region.load("arena_tail") > 0
+    state = DeviceState.allocate(t.loop, DEVICE)
+    inputs = StepInputs.allocate(
+        t.loop.max_num_batched_tokens, t.loop.max_num_seqs, t.loop.max_blocks_per_seq, DEVICE,
+        t.loop.prompt_score_chunk,
+    )  # fmt: skip
+    restarted = DeviceScheduler(t.loop, state, t.ring, t.layout, inputs, ENGINE_SEED)
+    arena_tail = t.dev_region.load("arena_tail")
+    queued = t.front.submit(prompt(6, 9), request_id=777)
+    restarted.launch()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert t.dev_region.load("req_tail") == 4
+    assert t.dev_region.load("arena_tail") > arena_tail
+    assert int(state.num_active) == 1
+    assert [
+        int(r) for r, s in zip(state.request_id, state.slot_state, strict=True) if s != SlotState.FREE
+    ] == [777]
+    assert queued.channel in state.chan.tolist()
+
+
 def test_logprob_requests_are_admitted_with_their_rows_and_pick_the_logprob_sampler():
     t = Twin()
     asking = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)

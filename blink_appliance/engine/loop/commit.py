@@ -46,6 +46,7 @@ class DeviceCommit:
         self, geometry: LoopGeometry, state: DeviceState, region: torch.Tensor, layout: RingLayout
     ) -> None:
         device = state.sampled.device
+        self.num_warps = NUM_WARPS  # bench/loop_profile.py --commit-warps varies it
         if region.dtype != torch.uint8 or region.dim() != 1 or not region.is_contiguous():
             raise ValueError("region must be a contiguous 1-D uint8 tensor over the whole shared region")
         if region.numel() < layout.size:
@@ -110,10 +111,10 @@ class DeviceCommit:
         """Commit this step (capturable on the GPU: one kernel, no sync)."""
         if not self.device_clock:
             self.host_clock_ns.fill_(time.monotonic_ns())
-        commit_kernel[(1,)](**self._args, **self._constexprs, num_warps=NUM_WARPS)
+        commit_kernel[(1,)](**self._args, **self._constexprs, num_warps=self.num_warps)
 
     def compile(self) -> None:
         """Compile the kernel for these arguments without running it (before a graph capture). Nothing
         to do where the kernel is interpreted."""
         if self.device_clock:
-            commit_kernel.warmup(grid=(1,), **self._args, **self._constexprs, num_warps=NUM_WARPS)
+            commit_kernel.warmup(grid=(1,), **self._args, **self._constexprs, num_warps=self.num_warps)

@@ -110,6 +110,11 @@ class DeviceScheduler:
         block_r = min(RECORDS_PER_LAUNCH, block_d)
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
         self.snap = torch.zeros(4 + 3 * block_r + block_d, dtype=torch.int64, device=device)
+        # Its last two words are req_tail and arena_tail, which only the kernel writes while it runs
+        # (ring_access.snap_tails): they start as the ring has them.
+        for i, word in enumerate(("req_tail", "arena_tail")):
+            at = layout.control(word)
+            self.snap[2 + 3 * block_r + block_d + i] = ring[at : at + 8].view(torch.int64)[0]
         self.host_clock_ns = torch.zeros(1, dtype=torch.int64, device=device)  # the interpreter's clock
         # Cycle stamps of the schedule's phases (`stamp_phases`; 62 and 63: the first and last in ns).
         self.stamps = torch.zeros(64, dtype=torch.int64, device=device)
