@@ -11,7 +11,7 @@ wakes and stops, and what idling costs in power.
 3. Forward in the loop (device_loop_forward.py): `dummy:smollm2-135m` bf16, a 4-sequence decode step in bucket 8, run as the
    SWITCH branch of the loop with a stand-in schedule/commit around it, vs the same bucket graph
    replayed from the host; the loop's logits must equal the replay's. Then shutdown while busy.
-4. Wake-up latency: the loop idles in wait_for_work; another process (the front end's role) writes
+4. Wake-up latency: the loop idles in wait_and_set_while; another process (the front end's role) writes
    req_head after a random pause and spins until the loop's stand-in schedule writes req_tail back:
    round trip, and one-way (device %globaltimer stamp minus host write time, clock offset measured
    before the launch). Per backoff cap; then shutdown latency from idle.
@@ -219,7 +219,7 @@ class WakeStamps:
 
 
 def idle_loop(rig: Rig, probe: WakeStamps, backoff: Backoff) -> tuple[DeviceLoop, torch.Tensor]:
-    """A loop with no active sequence: it idles in wait_for_work until req_head moves, then stamps and
+    """A loop with no active sequence: it idles in wait_and_set_while until req_head moves, then stamps and
     consumes every published record. Returns the loop and its iteration counter."""
     import torch
 

@@ -39,15 +39,6 @@ __device__ __forceinline__ void idle_poll(const int* num_active,
     }
 }
 
-extern "C" __global__ void wait_for_work(const int* num_active,
-                                         const unsigned long long* req_head,
-                                         const unsigned long long* req_tail,
-                                         const unsigned long long* shutdown,
-                                         unsigned int min_sleep_ns,
-                                         unsigned int max_sleep_ns) {
-    idle_poll(num_active, req_head, req_tail, shutdown, min_sleep_ns, max_sleep_ns);
-}
-
 // The end of an iteration: the WHILE condition, and when the body runs again the idle poll that
 // would otherwise open the next iteration as a kernel of its own (one dependent launch fewer a step).
 extern "C" __global__ void wait_and_set_while(unsigned long long handle,

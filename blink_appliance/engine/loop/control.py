@@ -1,14 +1,13 @@
 """The device loop's control kernels (kernels/loop_control.cu): compiled once with NVRTC, launched on
 torch's current stream so that a torch graph capture records them as kernel nodes.
 
-- `wait_for_work`: the idle poll (spins with __nanosleep backoff while no slot is active, the request
-  ring is empty and shutdown is not set).
 - `set_while` / `set_switch`: write a conditional node's value from the device
   (cudaGraphSetConditional); the handle is a plain 64-bit kernel argument, fixed at capture.
 - `set_switches`: the values of several SWITCH nodes in one launch (handles and value pointers in
   device arrays the caller keeps alive as long as the graph).
-- `wait_and_set_while`: the end of an iteration, the WHILE condition and, when the body runs again,
-  the idle poll for the next iteration.
+- `wait_and_set_while`: the end of an iteration: while the body runs again, the idle poll first
+  (it spins with __nanosleep backoff while no slot is active, the request ring is empty and shutdown
+  is not set), then the WHILE condition.
 - `stamp_globaltimer`: the device clock, for `measure_clock_offset_ns` and latency stamps.
 
 A conditional handle is only valid inside the graph it belongs to: never launch set_while or
@@ -30,7 +29,6 @@ from blink_appliance.engine.loop.mapped_region import RingWords
 
 KERNEL_FILE = Path(blink_appliance.kernels.__file__).with_name("loop_control.cu")
 KERNELS = (
-    "wait_for_work",
     "wait_and_set_while",
     "set_while",
     "set_switch",
@@ -96,9 +94,6 @@ class LoopControl:
         stream = torch.cuda.current_stream(self.device)
         with cp.cuda.Device(self.device.index), cp.cuda.ExternalStream(stream.cuda_stream, self.device.index):
             self._kernels[name]((1,), (1,), args)
-
-    def wait_for_work(self, num_active: torch.Tensor, ring: RingWords, backoff: Backoff) -> None:
-        self._launch("wait_for_work", *self._poll_args(num_active, ring, backoff))
 
     def wait_and_set_while(
         self,
