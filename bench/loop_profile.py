@@ -391,7 +391,7 @@ def table(results: list[dict]) -> str:
         for c in r["cases"]:
             m, tpot = c["median_ms"], c.get("loop_tpot_p50_ms")
             lines.append(
-                f"| {r['spec']} | {c['case']} w{c['schedule_warps']} c{c.get('commit_warps')} r{c['rejection_rounds']} | {m['schedule']:.3f} | {m['forward']:.3f} {c['buckets']} | "
+                f"| {r['spec']} | {c['case']} w{c['schedule_warps']} c{c['commit_warps']} r{c['rejection_rounds']} | {m['schedule']:.3f} | {m['forward']:.3f} {c['buckets']} | "
                 f"{m['sample']:.3f} | {m['commit']:.3f} | {m['total']:.3f} | {c['host_step_wall_ms']:.3f} | "
                 f"{'-' if tpot is None else f'{tpot:.3f}'} |"
             )
