@@ -59,3 +59,11 @@ def smollm2_models(smollm2_gguf_path: Path, smollm2_transformers):
 
     ckpt = load_checkpoint(f"gguf:{smollm2_gguf_path}")
     return ckpt, build_model(ckpt, torch.float32, "cpu"), smollm2_transformers
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Triton's interpreter without its per-helper-call re-patching (tests/interpreter_speed.py), once a
+    test module has imported it."""
+    from tests.interpreter_speed import apply
+
+    apply()
