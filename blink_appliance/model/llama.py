@@ -232,7 +232,11 @@ class _Body(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Uninitialized: build_model loads every weight, and the default init on the meta device would
+        # import torch._dynamo (1.5 s of every engine start, 4 s without .pyc files).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -244,7 +248,8 @@ class LlamaModel(nn.Module):
         self.model = _Body(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # Set by build_model once on its device (on the meta device the arithmetic imports torch._dynamo).
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
         # A module computing the logits when the output matrix is kept quantized (loaders/quantize.py);
         # None: F.linear with the output embedding, the reference's exact fp path.
         self.output_head: nn.Module | None = None

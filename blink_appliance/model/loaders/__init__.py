@@ -55,6 +55,17 @@ def load_checkpoint(source: str, *, seed: int = 0, quantized: bool = False) -> C
     return Checkpoint(source, config, weights, tokenizer, codes)
 
 
+def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Module.to_empty, with torch.empty: empty_like of a meta tensor runs torch's Python refs, whose
+    import (sympy, torch.fx) costs an engine start 1-3 s."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+
+
 def build_model(
     ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> LlamaModel:
@@ -68,7 +79,7 @@ def build_model(
         if torch.device(device).type != "cpu":
             raise ValueError(f"quantized weights run on the CPU's int4 kernels only, not on {device}")
         swap_quantized(model, ckpt.quantized)
-    model = model.to_empty(device=device)
+    _materialize(model, device)
     model.load_weights(ckpt.weights)
     model = model.to(dtype).eval()
     if isinstance(getattr(model.model, "embed_tokens", None), QuantizedEmbedding):
