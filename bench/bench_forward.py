@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -261,23 +262,26 @@ def kernel_group(name: str) -> str:
 
 
 def profile_step(
-    fwd: GpuForward, T: int, steps: int = 5
+    fwd: GpuForward, T: int, steps: int = 5, replay: Callable[[], object] | None = None
 ) -> tuple[dict[str, float], list[tuple[str, int, float]], dict[str, float]]:
-    """Eager steps (same kernels as the graph) under the torch profiler, ms per step:
+    """Eager steps (same kernels as the graph), or `replay` (a captured step's replay), under the torch
+    profiler, ms per step:
     - per kernel group, each kernel's own duration (with PDL a kernel starts while the one before
       drains and waits, so these overlap and add up to more than the step);
     - the top kernels by name: (name, launches per step, ms per step);
     - per role (the Triton GEMMs told apart by their place in the layer: qkv, o, gate_up, down), the
-      time each kernel adds to the step's timeline past the end of the kernel before it: these add up
-      to the step's device time, gaps between host launches left out."""
+      time each kernel adds to the step's timeline past the end of the kernel before it; with `replay`
+      the time no kernel of the step runs before a kernel starts is "idle before <role>", so the roles
+      add up to the replays' device time; eagerly, gaps between host launches are left out."""
     from torch.profiler import ProfilerActivity, profile
 
+    run = replay if replay is not None else (lambda: fwd.step(T))
     for _ in range(2):
-        fwd.step(T)
+        run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            fwd.step(T)
+            run()
         torch.cuda.synchronize()
     groups: dict[str, float] = defaultdict(float)
     top = []
@@ -295,12 +299,15 @@ def profile_step(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
         key=lambda e: e.time_range.start,
     )
+    per_step = max(1, len(kernels) // steps)
     roles: dict[str, float] = defaultdict(float)
     end, gemms = None, 0
-    for e in kernels:
+    for i, e in enumerate(kernels):
         role = kernel_group(e.name)
         if "skinny_gemm" in e.name:
             role, gemms = f"gemm {order[gemms % len(order)]}", gemms + 1
+        if replay is not None and end is not None and i % per_step:  # not across two replays
+            roles[f"idle before {role}"] += max(e.time_range.start - end, 0) / 1000 / steps
         start = e.time_range.start if end is None else max(e.time_range.start, end)
         roles[role] += max(e.time_range.end - start, 0) / 1000 / steps
         end = e.time_range.end if end is None else max(end, e.time_range.end)

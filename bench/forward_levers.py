@@ -143,6 +143,7 @@ def run_variant(
     prefill: int = 0,
     decodes: int = 0,
     context: int = DECODE_CONTEXT,
+    graph_profile: bool = False,
 ):
     max_blocks = (context + max(buckets)) // BLOCK_SIZE + 2
     num_blocks = (decodes or MAX_SEQS) * (context // BLOCK_SIZE + 1) + max(buckets) // BLOCK_SIZE + 8
@@ -200,8 +201,9 @@ def run_variant(
         ms2 = do_bench(graphs.graphs[T].replay, warmup=10, rep=200, return_mode="median")
         floor = floor_weights.bytes_read_per_step(T) / bw * 1e3
         rows.append(dict(variant=name, bucket=T, step_ms=ms, repeat_ms=ms2, floor_ms=floor, ratio=ms / floor))
-        if profile and T in (8, 128):
-            groups, top, roles = profile_step(fwd, T)
+        if profile and (T in (8, 128) or graph_profile):
+            replay = graphs.graphs[T].replay if graph_profile else None
+            groups, top, roles = profile_step(fwd, T, steps=20 if graph_profile else 5, replay=replay)
             profiles[T] = dict(groups=groups, top=top, roles=roles)
     if "cublaslt" in levers:
         torch.backends.cuda.preferred_blas_library("cublas")
@@ -228,6 +230,10 @@ def main() -> None:
         help="decoding sequences per step (the rest of the bucket is padding; 1: batch 1); default: the bucket",
     )  # fmt: skip
     ap.add_argument("--context", type=int, default=DECODE_CONTEXT, help="keys of every decoding sequence")
+    ap.add_argument(
+        "--graph-profile", action="store_true",
+        help="profile every bucket's graph replay (idle time between kernels shown), not eager steps",
+    )  # fmt: skip
     args = ap.parse_args()
     buckets = tuple(int(b) for b in args.buckets.split(","))
     out = Path(args.out)
@@ -247,8 +253,9 @@ def main() -> None:
         try:
             profile = to_profile is None or name in to_profile
             rows, logits, prof = run_variant(
-                name, cfg, weights, buckets, bw, log, profile, args.prefill, args.decodes, args.context
-            )
+                name, cfg, weights, buckets, bw, log, profile, args.prefill, args.decodes, args.context,
+                args.graph_profile,
+            )  # fmt: skip
         except Exception as e:  # a lever this torch build lacks is reported, not fatal
             log.append(f"{name}: FAILED {type(e).__name__}: {e}")
             print(log[-1], flush=True)
@@ -276,7 +283,7 @@ def main() -> None:
             parts = ", ".join(f"{g} {v:.3f}" for g, v in p["groups"].items())
             print(f"{name} T={T}: {parts}")
             print("    timeline: " + ", ".join(f"{g} {v:.3f}" for g, v in p["roles"].items()))
-            if T == 8:
+            if T == 8 or args.graph_profile:
                 for kname, count, ms in p["top"][:6]:
                     print(f"    {ms:.3f} ms x{count} {kname}")
     print(f"\n## {args.model} bf16 step by graph replay (ms), copy {bw / 1e12:.2f} TB/s; logits diff vs base")
