@@ -17,5 +17,7 @@ def test_building_a_model_imports_no_compiler_stack():
         "assert model.model.embed_tokens.weight.device.type == 'cpu'\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
     assert out.stdout.strip() == "[]", f"building a model imported {out.stdout.strip()}"
