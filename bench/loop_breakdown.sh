@@ -4,10 +4,7 @@
 # Usage, on the GPU host: bash bench/loop_breakdown.sh OUT_DIR [extra http_sweep cases...]
 set -uo pipefail
 out=${1:?OUT_DIR}; shift
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-python3 -m pip install -q --no-deps .whl/*.whl >/dev/null 2>&1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source bench/device_tree.sh
 timeout 240 python3 bench/loop_profile.py --geometries 8192/1024/256/2048 --batches 1 64 --steps 30 \
   --no-loop --schedule-phases --out "$out/loop-profile.json" 2>&1 | grep -v -i warn | tail -25
 timeout 240 python3 bench/http_sweep.py --cases b1-greedy b1-t1.0 "$@" --requests-per-case 5 --budget-s 200 \

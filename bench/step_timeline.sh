@@ -5,10 +5,7 @@
 # Usage, on the GPU host: bash bench/step_timeline.sh OUT_DIR [variant ...]
 set -uo pipefail
 out=${1:?OUT_DIR}; shift
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-python3 -m pip install -q --no-deps .whl/*.whl >/dev/null 2>&1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source bench/device_tree.sh
 timeout 200 python3 bench/forward_levers.py --model llama-3.2-1b --buckets 1 --decodes 1 --variants prod \
   --graph-profile --out "$out/forward" 2>&1 | grep -v -i warn | tail -22
 if [ $# -gt 0 ]; then
