@@ -31,12 +31,19 @@ def snap_ring_word(src, dst, ON_GPU: tl.constexpr):
         tl.store(dst, tl.load(src, volatile=True))
 
 
+@triton.constexpr_function
+def snap_tails_index(block_r, block_d):
+    """Where schedule's snap keeps req_tail and arena_tail (its last two words), after take_records'
+    words: for the kernel and for DeviceScheduler, which sizes the snap and sets them from the ring
+    before the first launch."""
+    return 2 + 3 * block_r + block_d
+
+
 @triton.jit
 def snap_tails(snap_ptr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Where schedule's snap keeps req_tail and arena_tail, after take_records' words. They are the
-    program's own words (nothing else writes them while the loop runs), so it reads them there, not
-    over the bus; DeviceScheduler sets them from the ring before the first launch."""
-    return snap_ptr + 2 + 3 * BLOCK_R + BLOCK_D
+    """req_tail and arena_tail in the snap: the program's own words (nothing else writes them while
+    the loop runs), so it reads them there, not over the bus."""
+    return snap_ptr + snap_tails_index(BLOCK_R, BLOCK_D)
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import triton
 
 from blink_appliance.engine.loop import kernel_args
 from blink_appliance.engine.loop.state import COUNTERS, DeviceState, LoopGeometry
+from blink_appliance.kernels.ring_access import snap_tails_index
 from blink_appliance.kernels.schedule import schedule_kernel
 from blink_appliance.model.step_inputs import StepInputs
 from blink_appliance.wire.ring_layout import RingLayout
@@ -109,12 +110,13 @@ class DeviceScheduler:
         self.scratch[-1] = g.max_num_seqs
         block_r = min(RECORDS_PER_LAUNCH, block_d)
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
-        self.snap = torch.zeros(4 + 3 * block_r + block_d, dtype=torch.int64, device=device)
         # Its last two words are req_tail and arena_tail, which only the kernel writes while it runs
         # (ring_access.snap_tails): they start as the ring has them.
+        tails = snap_tails_index(block_r, block_d)
+        self.snap = torch.zeros(tails + 2, dtype=torch.int64, device=device)
         for i, word in enumerate(("req_tail", "arena_tail")):
             at = layout.control(word)
-            self.snap[2 + 3 * block_r + block_d + i] = ring[at : at + 8].view(torch.int64)[0]
+            self.snap[tails + i] = ring[at : at + 8].view(torch.int64)[0]
         self.host_clock_ns = torch.zeros(1, dtype=torch.int64, device=device)  # the interpreter's clock
         # Cycle stamps of the schedule's phases (`stamp_phases`; 62 and 63: the first and last in ns).
         self.stamps = torch.zeros(64, dtype=torch.int64, device=device)
