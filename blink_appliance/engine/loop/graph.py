@@ -245,7 +245,7 @@ class DeviceLoop:
             self.switch_handles = [int(h) for h in handles]
             for step in self.plan.steps:
                 for launch in step.launches if isinstance(step, CaptureStep) else ():
-                    if isinstance(launch, SetSwitches) and len(launch.indices) > 1:
+                    if isinstance(launch, SetSwitches):
                         self._switch_tables[launch.indices] = self.control.switch_table(
                             [self.switch_handles[i] for i in launch.indices],
                             [self.plan.switches[i].value for i in launch.indices],
@@ -280,7 +280,7 @@ class DeviceLoop:
         with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self.device)):
             for launch in launches:
                 if isinstance(launch, SetSwitches):
-                    self._set_switches(launch.indices)
+                    self.control.set_switches(self._switch_tables[launch.indices])
                 elif isinstance(launch, SetWhile) and self.ring is not None:
                     self.control.wait_and_set_while(
                         self.while_handle, self.keep_running, self.num_active, self.ring, self.backoff
@@ -291,12 +291,6 @@ class DeviceLoop:
                     launch()
         self._captures.append(graph)
         return graph.raw_cuda_graph()
-
-    def _set_switches(self, indices: tuple[int, ...]) -> None:
-        if len(indices) == 1:
-            self.control.set_switch(self.switch_handles[indices[0]], self.plan.switches[indices[0]].value)
-        else:
-            self.control.set_switches(self._switch_tables[indices])
 
     @staticmethod
     def _add_child(graph, after, child: int):
