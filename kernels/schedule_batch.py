@@ -103,23 +103,35 @@ def order_running(
     tl.store(scratch_ptr + tl.cumsum(running_i, 0) - running_i, offs_d, mask=running)
     tl.debug_barrier()
     ms = offs_s < m
-    compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
-    ro = tl.load(slots.run_order + compact, mask=ms, other=0)
-    rp = tl.load(slots.run_priority + compact, mask=ms, other=0)
-    # The rank counts over the m running sequences only, a tile at a time: an S x S comparison
-    # would cost max_seqs^2 every step whatever the batch.
-    rank = tl.zeros_like(offs_s)
-    for j0 in range(0, m, RANK_TILE):
-        offs_j = j0 + tl.arange(0, RANK_TILE)
-        mj = offs_j < m
-        slot_j = tl.load(scratch_ptr + offs_j, mask=mj, other=0)
-        ro_j = tl.load(slots.run_order + slot_j, mask=mj, other=0)
-        rp_j = tl.load(slots.run_priority + slot_j, mask=mj, other=0)
-        before = (rp_j[None, :] < rp[:, None]) | (
-            (rp_j[None, :] == rp[:, None]) & (ro_j[None, :] < ro[:, None])
+    if m <= RANK_TILE:  # one [RANK_TILE, RANK_TILE] tile, whatever max_seqs (batch 1 lands here)
+        offs_i = tl.arange(0, RANK_TILE)
+        mi = offs_i < m
+        slot_i = tl.load(scratch_ptr + offs_i, mask=mi, other=0)
+        ro_i = tl.load(slots.run_order + slot_i, mask=mi, other=0)
+        rp_i = tl.load(slots.run_priority + slot_i, mask=mi, other=0)
+        before = (rp_i[None, :] < rp_i[:, None]) | (
+            (rp_i[None, :] == rp_i[:, None]) & (ro_i[None, :] < ro_i[:, None])
         )
-        rank += tl.sum((mj[None, :] & before).to(tl.int32), 1)
-    tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
+        rank_i = tl.sum((mi[None, :] & before).to(tl.int32), 1)
+        tl.store(scratch_ptr + BLOCK_D + rank_i, slot_i, mask=mi)
+    else:
+        compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
+        ro = tl.load(slots.run_order + compact, mask=ms, other=0)
+        rp = tl.load(slots.run_priority + compact, mask=ms, other=0)
+        # The rank counts over the m running sequences only, a tile at a time: an S x S comparison
+        # would cost max_seqs^2 every step whatever the batch.
+        rank = tl.zeros_like(offs_s)
+        for j0 in range(0, m, RANK_TILE):
+            offs_j = j0 + tl.arange(0, RANK_TILE)
+            mj = offs_j < m
+            slot_j = tl.load(scratch_ptr + offs_j, mask=mj, other=0)
+            ro_j = tl.load(slots.run_order + slot_j, mask=mj, other=0)
+            rp_j = tl.load(slots.run_priority + slot_j, mask=mj, other=0)
+            before = (rp_j[None, :] < rp[:, None]) | (
+                (rp_j[None, :] == rp[:, None]) & (ro_j[None, :] < ro[:, None])
+            )
+            rank += tl.sum((mj[None, :] & before).to(tl.int32), 1)
+        tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
     tl.debug_barrier()
     ks = tl.load(scratch_ptr + BLOCK_D + offs_s, mask=ms, other=0)  # slot of the k-th running sequence
     ntok_k = tl.load(slots.num_tokens + ks, mask=ms, other=0)

@@ -63,10 +63,16 @@ def write_forward_inputs(
     the step tables are written and visible to every thread. Returns the block-table width the
     rows need now (the columns the next step has to clear at least)."""
     q_end = tl.load(step.query_start + 1 + offs_s, mask=offs_s < nseq, other=_INT32_MAX)
+    # Every sequence of the batch has a chunk of one token or more, so with as many tokens as
+    # sequences token t is sequence t's: no [tokens, max_seqs] search for the sequence of a row.
+    decodes_only = ntot == nseq
     for t0 in range(0, bucket, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         in_step = t < ntot
-        b = tl.sum((q_end[None, :] <= t[:, None]).to(tl.int32), 1)
+        if decodes_only:
+            b = t
+        else:
+            b = tl.sum((q_end[None, :] <= t[:, None]).to(tl.int32), 1)
         slot = tl.load(step.step_slot + b, mask=in_step, other=0)
         q0 = tl.load(step.query_start + b, mask=in_step, other=0)
         start = tl.load(step.context_lens + b, mask=in_step, other=0) - tl.load(
