@@ -17,7 +17,7 @@ if [ "$what" != schedule ]; then
 fi
 [ "$what" = forward ] && exit 0
 timeout 300 ncu --clock-control none -k regex:schedule_kernel --launch-skip 12 --launch-count 1 \
-  --section WarpStateStats --section SourceCounters --section SpeedOfLight --sampling-interval 0 --import-source yes -f -o "$out/schedule" \
+  --section WarpStateStats --section SourceCounters --section SpeedOfLight --warp-sampling-interval 0 --import-source yes -f -o "$out/schedule" \
   python3 bench/loop_profile.py --geometries 8192/1024/256/2048 --batches 1 --steps 20 --no-loop --sampled 0 \
   --out "$out/loop-profile.json" 2>&1 | grep -v -i warn | tail -3
 ncu -i "$out/schedule.ncu-rep" --page details --csv > "$out/schedule-details.csv"
