@@ -1,6 +1,6 @@
 """Tables from bench/ncu_step.sh's CSVs: the forward's kernels of one layer and the LM head
-(duration alone, DRAM throughput, registers, occupancy, cycles per issued instruction), and the
-schedule kernel's executed warp instructions and stall samples by source line.
+(duration alone, DRAM throughput, registers, occupancy, cycles per issued instruction), and each
+profiled loop kernel's executed warp instructions and stall samples by source line.
 
     python3 bench/ncu_summary.py DIR [--layer 1] [--top 25]
 """
@@ -96,8 +96,8 @@ def main() -> None:
     args = ap.parse_args()
     if (args.dir / "forward-details.csv").exists():
         print("\n".join(forward_table(args.dir / "forward-details.csv", args.layer)), "\n")
-    if (args.dir / "schedule-source.csv").exists():
-        print("\n".join(source_lines(args.dir / "schedule-source.csv", args.top)))
+    for source in sorted(args.dir.glob("*-source.csv")):
+        print(f"{source.name.removesuffix('-source.csv')}:", *source_lines(source, args.top), "", sep="\n")
 
 
 if __name__ == "__main__":
