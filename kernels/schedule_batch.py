@@ -90,6 +90,13 @@ def build_batch(
 
 
 @triton.jit
+def _ranked_before(rp, ro, rp_j, ro_j, mj):
+    """For each (run_priority, run_order) pair of rp/ro, how many of the j lanes (mj) run before it."""
+    before = (rp_j[None, :] < rp[:, None]) | ((rp_j[None, :] == rp[:, None]) & (ro_j[None, :] < ro[:, None]))
+    return tl.sum((mj[None, :] & before).to(tl.int32), 1)
+
+
+@triton.jit
 def order_running(
     st, md, offs_s, scratch_ptr, slots, BLOCK_D: tl.constexpr, RANK_TILE: tl.constexpr, SLOT: tl.constexpr
 ):
@@ -109,10 +116,7 @@ def order_running(
         slot_i = tl.load(scratch_ptr + offs_i, mask=mi, other=0)
         ro_i = tl.load(slots.run_order + slot_i, mask=mi, other=0)
         rp_i = tl.load(slots.run_priority + slot_i, mask=mi, other=0)
-        before = (rp_i[None, :] < rp_i[:, None]) | (
-            (rp_i[None, :] == rp_i[:, None]) & (ro_i[None, :] < ro_i[:, None])
-        )
-        rank_i = tl.sum((mi[None, :] & before).to(tl.int32), 1)
+        rank_i = _ranked_before(rp_i, ro_i, rp_i, ro_i, mi)
         tl.store(scratch_ptr + BLOCK_D + rank_i, slot_i, mask=mi)
     else:
         compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
@@ -127,10 +131,7 @@ def order_running(
             slot_j = tl.load(scratch_ptr + offs_j, mask=mj, other=0)
             ro_j = tl.load(slots.run_order + slot_j, mask=mj, other=0)
             rp_j = tl.load(slots.run_priority + slot_j, mask=mj, other=0)
-            before = (rp_j[None, :] < rp[:, None]) | (
-                (rp_j[None, :] == rp[:, None]) & (ro_j[None, :] < ro[:, None])
-            )
-            rank += tl.sum((mj[None, :] & before).to(tl.int32), 1)
+            rank += _ranked_before(rp, ro, rp_j, ro_j, mj)
         tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
     tl.debug_barrier()
     ks = tl.load(scratch_ptr + BLOCK_D + offs_s, mask=ms, other=0)  # slot of the k-th running sequence
