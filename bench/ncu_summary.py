@@ -23,7 +23,7 @@ KERNEL_COLUMNS = (
 
 
 def forward_table(path: Path, layer: int) -> list[str]:
-    """The kernels of `layer` (counted from the first QKV GEMM after a norm) and the last kernel."""
+    """The kernels of `layer` (1-based: from its input norm to the next layer's) and the last kernel."""
     kernels: dict[int, dict] = collections.OrderedDict()
     for r in csv.DictReader(path.open()):
         k = kernels.setdefault(int(r["ID"]), {"name": r["Kernel Name"], "grid": r["Grid Size"]})

@@ -90,6 +90,17 @@ def build_batch(
 
 
 @triton.jit
+def _run_keys(compact_ptrs, mask, slots):
+    """The running slots listed at compact_ptrs, with their run order and run priority."""
+    slot = tl.load(compact_ptrs, mask=mask, other=0)
+    return (
+        slot,
+        tl.load(slots.run_order + slot, mask=mask, other=0),
+        tl.load(slots.run_priority + slot, mask=mask, other=0),
+    )
+
+
+@triton.jit
 def _ranked_before(rp, ro, rp_j, ro_j, mj):
     """For each (run_priority, run_order) pair of rp/ro, how many of the j lanes (mj) run before it."""
     before = (rp_j[None, :] < rp[:, None]) | ((rp_j[None, :] == rp[:, None]) & (ro_j[None, :] < ro[:, None]))
@@ -113,24 +124,18 @@ def order_running(
     if m <= RANK_TILE:  # one [RANK_TILE, RANK_TILE] tile, whatever max_seqs (batch 1 lands here)
         offs_i = tl.arange(0, RANK_TILE)
         mi = offs_i < m
-        slot_i = tl.load(scratch_ptr + offs_i, mask=mi, other=0)
-        ro_i = tl.load(slots.run_order + slot_i, mask=mi, other=0)
-        rp_i = tl.load(slots.run_priority + slot_i, mask=mi, other=0)
+        slot_i, ro_i, rp_i = _run_keys(scratch_ptr + offs_i, mi, slots)
         rank_i = _ranked_before(rp_i, ro_i, rp_i, ro_i, mi)
         tl.store(scratch_ptr + BLOCK_D + rank_i, slot_i, mask=mi)
     else:
-        compact = tl.load(scratch_ptr + offs_s, mask=ms, other=0)
-        ro = tl.load(slots.run_order + compact, mask=ms, other=0)
-        rp = tl.load(slots.run_priority + compact, mask=ms, other=0)
+        compact, ro, rp = _run_keys(scratch_ptr + offs_s, ms, slots)
         # The rank counts over the m running sequences only, a tile at a time: an S x S comparison
         # would cost max_seqs^2 every step whatever the batch.
         rank = tl.zeros_like(offs_s)
         for j0 in range(0, m, RANK_TILE):
             offs_j = j0 + tl.arange(0, RANK_TILE)
             mj = offs_j < m
-            slot_j = tl.load(scratch_ptr + offs_j, mask=mj, other=0)
-            ro_j = tl.load(slots.run_order + slot_j, mask=mj, other=0)
-            rp_j = tl.load(slots.run_priority + slot_j, mask=mj, other=0)
+            _, ro_j, rp_j = _run_keys(scratch_ptr + offs_j, mj, slots)
             rank += _ranked_before(rp, ro, rp_j, ro_j, mj)
         tl.store(scratch_ptr + BLOCK_D + rank, compact, mask=ms)
     tl.debug_barrier()
