@@ -151,43 +151,49 @@ TUNE_KNOBS = (  # DeviceSampler keyword overrides, the shipped settings first
     {"rejection_rounds": 4},
     {"programs_per_sm": 8},
     {"programs_per_sm": 24},
+    {"rejection_chunk": 1024},
+    {"rejection_ticket_chunks": 2},
 )
+QUICK_KNOBS = ({}, {"programs_per_sm": 8}, {}, {"programs_per_sm": 8})  # --tune quick: the grid alone, twice
 
 
-def tune(vocab: int, device: str) -> list[dict]:
-    """The rejection variant's knobs at 64 rows on flat logits, one at a time against the shipped
-    settings (engine/loop/sampler.py, kernels/sampling_rounds.py): the queue kernel's register cap,
-    the chunked rounds before the finisher and the persistent programs per SM. Tokens are checked
-    against the shipped settings' (the knobs change only speed)."""
-    rows, out = 64, []
-    logits = logits_of("flat", rows, vocab, device)
-    for mix in ("temperature 1.0", "temperature 0.7, top_p 0.9"):
-        params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
-        state = make_state(rows, vocab)
-        load_rows(state, params, [r % 7 for r in range(rows)])
-        first = None
-        for knobs in TUNE_KNOBS:
-            sampler = DeviceSampler(state, logits, **knobs)
-            sampler.rejection()
-            tokens = state.sampled.clone()
-            first = tokens if first is None else first
-            row = {"mix": mix, **knobs, "ms": graph_ms(sampler.rejection, device),
-                   "mismatches": int((tokens != first).sum())}  # fmt: skip
-            out.append(row)
-            print(json.dumps(row), flush=True)
+def tune(vocab: int, device: str, knob_sets: tuple[dict, ...] = TUNE_KNOBS) -> list[dict]:
+    """The rejection variant's knobs on flat logits, one at a time against the shipped settings
+    (engine/loop/sampler.py, kernels/sampling_rounds.py): the queue kernel's register cap, the chunked
+    rounds before the finisher, the persistent programs per SM (which greedy's argmax also uses, so
+    it is timed too, at 64 rows and at 1). Tokens are checked against the shipped settings' (the knobs
+    change only speed)."""
+    out = []
+    for rows, mixes in ((64, ("temperature 1.0", "temperature 0.7, top_p 0.9")), (1, ("temperature 1.0",))):
+        logits = logits_of("flat", rows, vocab, device)
+        for mix in mixes:
+            params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
+            state = make_state(rows, vocab)
+            load_rows(state, params, [r % 7 for r in range(rows)])
+            first = None
+            for knobs in knob_sets:
+                sampler = DeviceSampler(state, logits, **knobs)
+                sampler.rejection()
+                tokens = state.sampled.clone()
+                first = tokens if first is None else first
+                row = {"rows": rows, "mix": mix, **knobs, "ms": graph_ms(sampler.rejection, device),
+                       "greedy_ms": graph_ms(sampler.greedy, device), "mismatches": int((tokens != first).sum())}  # fmt: skip
+                out.append(row)
+                print(json.dumps(row), flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,64", help="comma-separated row counts")
+    ap.add_argument("--rows", default="1,64", help="comma-separated row counts (empty: none)")
     ap.add_argument("--vocab", type=int, default=None, help="default: 128256 on a GPU, 2000 interpreted")
     ap.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
-    ap.add_argument("--tune", action="store_true", help="also sweep the rejection variant's knobs")
+    ap.add_argument("--tune", nargs="?", const="all", choices=("all", "quick"),
+                    help="also sweep the rejection variant's knobs (quick: the grid alone, twice)")  # fmt: skip
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab = args.vocab or (128256 if device == "cuda" else 2000)
-    row_counts = [int(n) if device == "cuda" else min(int(n), 8) for n in args.rows.split(",")]
+    row_counts = [int(n) if device == "cuda" else min(int(n), 8) for n in args.rows.split(",") if n]
     env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreted)",
            "torch": torch.__version__, "rows": row_counts, "vocab": vocab}  # fmt: skip
     print(json.dumps(env), flush=True)
@@ -198,7 +204,7 @@ def main() -> None:
                 r = run_case(shape, mix, rows, vocab, device)
                 results.append(r)
                 print(json.dumps(r), flush=True)
-    tuning = tune(vocab, device) if args.tune else []
+    tuning = tune(vocab, device, QUICK_KNOBS if args.tune == "quick" else TUNE_KNOBS) if args.tune else []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         document = {"env": env, "results": results, "tuning": tuning}

@@ -3,6 +3,8 @@
 - `race`: the exponential race (Gumbel-max) over the kept tokens of every row, chunked over the
   vocabulary: each program writes its chunk's best (score, index); the caller reduces the chunks.
   Greedy rows race on the raw values (plain argmax). Ties go to the lowest index throughout.
+  A chunk's best (`best_score`, also the rejection variant's) is screened with a cheap score and
+  exact: only the tokens the screen cannot tell apart get their exact scores.
 - `exact_cut`: the slow exact path for rows whose top-k / top-p cut does not lie inside the sorted
   candidates: bisection over the float order of the row (one program per row; other rows return at
   once).
@@ -70,6 +72,94 @@ def _exp(x, PRECISE: tl.constexpr):
         return tl.exp(x)
 
 
+# The race screens each chunk with a cheap score (MUFU's log) and computes the exact one only where
+# the screen cannot tell: the cheap one is within 5e-5 of it (measured bound of the approximations
+# below, plus 2^-22 of |score| for x * (1/t)), and the window is 40x that. The interpreter's screen
+# is exact plus a deterministic offset of up to 0.45 of a wider window, so CPU tests exercise both
+# outcomes of the screen.
+SCREEN_WINDOW = tl.constexpr(2.0**-14)
+SCREEN_WINDOW_INTERPRETED = tl.constexpr(2.0**-5)
+
+
+@triton.jit
+def scaled(raw, t, PRECISE: tl.constexpr):
+    """logits / temperature, rounded as torch and the reference round it (IEEE division)."""
+    if PRECISE:
+        return libdevice.div_rn(raw, t)
+    else:
+        return raw / t
+
+
+@triton.jit
+def _race_bits(idx, seed, out_index):
+    """The 23 bits of the counter hash of (seed, output index, token) that make the race's uniform, as
+    int32 (a 64-bit integer's conversion to float takes several instructions)."""
+    key = _mix(seed.to(tl.uint64) + (out_index.to(tl.uint64) + 1) * GAMMA)
+    return (_mix(key + (idx.to(tl.uint64) + 1) * GAMMA) >> 41).to(tl.int32)
+
+
+@triton.jit
+def gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
+    """The race's score x - log(-log(u)), u the counter hash of (seed, output index, token): the
+    definition, bit for bit the reference's (engine/reference/sampler.py)."""
+    u = (_race_bits(idx, seed, out_index).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return x - _log(-_log(u, PRECISE), PRECISE)
+
+
+@triton.jit
+def _screen_gumbel(m, PRECISE: tl.constexpr):
+    """-log(-log(u)) for u = (m + 0.5) / 2^23, cheaply: MUFU's log, with -log(u) by its series where u
+    is within 2^-7 of 1 (there MUFU's absolute error would be large against -log(u) itself)."""
+    u = (m.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    if PRECISE:
+        v = 1.0 - u  # exact: (2^23 - m - 0.5) / 2^23 has 24 significant bits
+        series = v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25)))
+        e = tl.where(v < 0.0078125, series, -libdevice.fast_logf(u))
+        return -libdevice.fast_logf(e)
+    else:
+        offset = ((m & 255).to(tl.float32) - 127.5) * (0.45 * 32.0 * SCREEN_WINDOW_INTERPRETED / 128.0)
+        return offset - tl.log(-tl.log(u))
+
+
+@triton.jit
+def best_score(
+    x, idx, start, region, seed, out_index, row_ptr, t, SCALE: tl.constexpr, PRECISE: tl.constexpr
+):
+    """The best race score over the chunk's tokens in `region` and its index (ties: the lowest), exact.
+    x: the chunk's logits (SCALE: still to be divided by t) at absolute indices idx, row_ptr + idx.
+    Every token whose cheap score is within two windows of the best cheap score may be the winner;
+    when that is one token, only its exact score is computed, else the chunk's (ties, -inf, NaN)."""
+    if SCALE:
+        cheap_x = x * (1.0 / t)
+    else:
+        cheap_x = x
+    cheap = tl.where(
+        region, cheap_x + _screen_gumbel(_race_bits(idx, seed, out_index), PRECISE), float("-inf")
+    )
+    top, arg = tl.max(cheap, 0, return_indices=True)
+    if PRECISE:
+        window = SCREEN_WINDOW * (tl.abs(top) + 32.0)
+    else:
+        window = SCREEN_WINDOW_INTERPRETED * (tl.abs(top) + 32.0)
+    near = region & ~(cheap < top - 2.0 * window)  # NaN scores count as near
+    if (tl.sum(near.to(tl.int32), 0) == 1) & (tl.abs(top) < float("inf")):
+        best_index = start + arg
+        x_best = tl.load(row_ptr + best_index)
+        if SCALE:
+            x_best = scaled(x_best, t, PRECISE)
+        best = gumbel(x_best, best_index, seed, out_index, PRECISE)
+    else:
+        # Reloaded, not reused: the compiler would otherwise hoist the exact division of every token
+        # out of this rare branch (and out of the caller's top-p sum) into the common path.
+        x = tl.load(row_ptr + idx, mask=region, other=0.0)
+        if SCALE:
+            x = scaled(x, t, PRECISE)
+        score = tl.where(region, gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
+        best, arg = tl.max(score, 0, return_indices=True)
+        best_index = start + arg
+    return best, best_index
+
+
 @triton.jit
 def _race_kernel(
     x_ptr, x_stride, random_ptr, seed_ptr, out_index_ptr, v_cut_ptr, i_cut_ptr, min_p_cut_ptr,
@@ -90,14 +180,10 @@ def _race_kernel(
         best_index = c * CHUNK
         # Chunks with nothing kept (most of them under top-k / top-p) skip the hash.
         if tl.max(keep.to(tl.int32), 0) > 0:
-            seed = tl.load(seed_ptr + r).to(tl.uint64)
-            out_index = tl.load(out_index_ptr + r).to(tl.uint64)
-            key = _mix(seed + (out_index + 1) * GAMMA)
-            bits = _mix(key + (idx.to(tl.uint64) + 1) * GAMMA)
-            u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            score = tl.where(keep, x - _log(-_log(u, PRECISE), PRECISE), float("-inf"))
-            best = tl.max(score, 0)
-            best_index = c * CHUNK + tl.argmax(score, 0)
+            best, best_index = best_score(
+                x, idx, c * CHUNK, keep, tl.load(seed_ptr + r), tl.load(out_index_ptr + r),
+                x_ptr + r.to(tl.int64) * x_stride, 1.0, SCALE=False, PRECISE=PRECISE,
+            )  # fmt: skip
     else:
         best = tl.max(x, 0)
         best_index = c * CHUNK + tl.argmax(x, 0)

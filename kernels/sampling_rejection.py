@@ -26,9 +26,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from blink_appliance.kernels.sampling import GAMMA, _exp, _log, _mix
-from triton.language.extra import libdevice
+from blink_appliance.kernels.sampling import _exp, _log, best_score, gumbel, scaled
 
+# MASS_PRECISION: the nucleus's masses (the logsumexp's sums, the mass ranked before a candidate) use
+# x * (1/t) and the GPU's fast exp: a relative error near 1e-6 a term, below what summing 128k fp32
+# terms in any order already carries: the reference's fp32 cumsum and this sum can disagree only for
+# a candidate whose mass ahead lies that close to top_p, as they could with exact terms. The race's
+# scores and the ranks stay exact.
+TIE_BAND = tl.constexpr(2.0**-20)  # logits this close (relatively) may tie once divided by t
 FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
 MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
 QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS  # a row queues at most a test per race and a race per test
@@ -89,35 +94,10 @@ class SampleRows:
 
 
 @triton.jit
-def _scaled(logits, temperature, PRECISE: tl.constexpr):
-    """logits / temperature, rounded as torch and the reference round it (IEEE division)."""
-    if PRECISE:
-        return libdevice.div_rn(logits, temperature)
-    else:
-        return logits / temperature
-
-
-@triton.jit
 def _ahead(x, idx, bound_x, bound_i):
-    """Tokens ranked before (bound_x, bound_i) in (value descending, index ascending) order."""
-    return (x > bound_x) | ((x == bound_x) & (idx.to(tl.int64) < bound_i))
-
-
-@triton.jit
-def _gumbel(x, idx, seed, out_index, PRECISE: tl.constexpr):
-    """The race's score x - log(-log(u)), u the counter hash of (seed, output index, token)."""
-    key = _mix(seed.to(tl.uint64) + (out_index.to(tl.uint64) + 1) * GAMMA)
-    bits = _mix(key + (idx.to(tl.uint64) + 1) * GAMMA)
-    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    return x - _log(-_log(u, PRECISE), PRECISE)
-
-
-@triton.jit
-def _best_score(x, idx, start, region, seed, out_index, PRECISE: tl.constexpr):
-    """The chunk's best race score in the region and its index (ties: the lowest), in one reduction."""
-    score = tl.where(region, _gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
-    best, arg = tl.max(score, 0, return_indices=True)
-    return best, start + arg
+    """Tokens ranked before (bound_x, bound_i) in (value descending, index ascending) order. The
+    indices compare as int32 (a vocabulary's fit), the int64 bound clamped once."""
+    return (x > bound_x) | ((x == bound_x) & (idx < tl.minimum(bound_i, 2147483647).to(tl.int32)))
 
 
 @triton.jit
@@ -137,26 +117,28 @@ def _race_chunk(
         best, arg = tl.max(raw, 0, return_indices=True)  # ties: the lowest index, as argmax
         best_index = c * CHUNK + arg
     else:
-        x = tl.where(inb, _scaled(raw, t, PRECISE), float("-inf"))
-        if FIRST:
-            hi = tl.max(x, 0)
-            tl.store(part_max_ptr + out, hi)
-            if tl.load(top_p_ptr + r) < 1.0:  # only top-p reads the logsumexp
-                tl.store(part_sum_ptr + out, tl.sum(tl.where(inb, _exp(x - hi, PRECISE), 0.0), 0))
-            region = inb
-        else:
-            region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
-            floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
-            region = region & (x >= floor)
+        row = logits_ptr + tl.cast(r, tl.int64) * stride
         seed = tl.load(seed_ptr + r)
         out_index = tl.load(out_index_ptr + r)
         if FIRST:  # the whole row is the region
-            best, best_index = _best_score(x, idx, c * CHUNK, region, seed, out_index, PRECISE)
+            # IEEE division by t > 0 keeps order, so the max of x / t is the max of x, divided once.
+            hi = scaled(tl.max(raw, 0), t, PRECISE)
+            tl.store(part_max_ptr + out, hi)
+            if tl.load(top_p_ptr + r) < 1.0:  # only top-p reads the logsumexp (MASS_PRECISION)
+                q = tl.where(inb, tl.exp(raw * (1.0 / t) - hi), 0.0)
+                tl.store(part_sum_ptr + out, tl.sum(q, 0))
+            best, best_index = best_score(raw, idx, c * CHUNK, inb, seed, out_index, row, t, True, PRECISE)
         else:
+            x = tl.where(inb, scaled(raw, t, PRECISE), float("-inf"))
+            region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
+            floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
+            region = region & (x >= floor)
             best = tl.full([], float("-inf"), tl.float32)
             best_index = c * CHUNK
             if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
-                best, best_index = _best_score(x, idx, c * CHUNK, region, seed, out_index, PRECISE)
+                best, best_index = best_score(
+                    raw, idx, c * CHUNK, region, seed, out_index, row, t, True, PRECISE
+                )
     tl.store(part_score_ptr + out, best)
     tl.store(part_index_ptr + out, best_index.to(tl.int64))
 
@@ -248,15 +230,15 @@ def _pick_row(
                 part_sum = tl.load(
                     part_sum_ptr + r * n_chunks + offs, mask=m, other=0.0, cache_modifier=".cg"
                 )
-                scaled = tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0)
-                tl.store(row_lse_ptr + r, hi + _log(tl.sum(scaled, 0), PRECISE))
+                weighted = tl.where(m & (part_sum > 0.0), part_sum * _exp(part_max - hi, PRECISE), 0.0)
+                tl.store(row_lse_ptr + r, hi + _log(tl.sum(weighted, 0), PRECISE))
             tl.store(bound_x_ptr + r, float("inf"))
             tl.store(bound_i_ptr + r, 9223372036854775807)
             row_max = hi
         else:
             row_max = tl.load(row_max_ptr + r)
         if tl.max(scores, 0) > float("-inf"):  # an empty region (NaN logits) keeps the winner
-            x_w = _scaled(tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), t, PRECISE)
+            x_w = scaled(tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), t, PRECISE)
             status = _verdict(x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), PRECISE)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
@@ -267,16 +249,24 @@ def _mass_chunk(
     r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V, n_chunks,
     CHUNK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c of row r under the top-p test: the probability mass ranked before the candidate."""
+    """Chunk c of row r under the top-p test: the probability mass ranked before the candidate
+    (MASS_PRECISION). The rank is by x / t, exactly rounded; the logits themselves rank the same
+    except where rounding ties two of them, which only a logit within 2^-20 of the candidate's can."""
     row = logits_ptr + tl.cast(r, tl.int64) * stride
     t = tl.load(temperature_ptr + r)
     w = tl.load(candidate_ptr + r)
-    x_w = _scaled(tl.load(row + w), t, PRECISE)
+    raw_w = tl.load(row + w)
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
-    x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
-    ahead = inb & _ahead(x, idx, x_w, w)
-    q = tl.where(ahead, _exp(x - tl.load(row_lse_ptr + r), PRECISE), 0.0)
+    raw = tl.load(row + idx, mask=inb, other=0.0)
+    lse = tl.load(row_lse_ptr + r)
+    close = inb & (raw != raw_w) & (tl.abs(raw - raw_w) <= TIE_BAND * tl.abs(raw_w))
+    if (tl.max(close.to(tl.int32), 0) > 0) | ~(tl.abs(raw_w) < float("inf")):
+        x = scaled(raw, t, PRECISE)
+        ahead = inb & _ahead(x, idx, scaled(raw_w, t, PRECISE), w)
+    else:
+        ahead = inb & _ahead(raw, idx, raw_w, w)
+    q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
     tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
 
 
@@ -290,7 +280,7 @@ def _decide_row(
     offs = tl.arange(0, BLOCK_C)
     part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
     w = tl.load(candidate_ptr + r)
-    x_w = _scaled(
+    x_w = scaled(
         tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
     )
     status = tl.where(tl.sum(part, 0) < tl.load(top_p_ptr + r), 0, 1)
@@ -330,24 +320,24 @@ def _finish_kernel(
                 for start in range(0, V, BLOCK):
                     idx = start + offs
                     inb = idx < V
-                    x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+                    x = scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
                     region = inb & _ahead(x, idx, bx, bi) & (x >= floor)
-                    score = tl.where(region, _gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
+                    score = tl.where(region, gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
                     chunk_best = tl.max(score, 0)
                     better = chunk_best > best  # strictly: an earlier chunk keeps a tie
                     w = tl.where(better, start + tl.argmax(score, 0).to(tl.int64), w)
                     best = tl.maximum(best, chunk_best)
-                x_w = _scaled(tl.load(row + w), t, PRECISE)
+                x_w = scaled(tl.load(row + w), t, PRECISE)
                 status = tl.where(best == float("-inf"), 0, _verdict(x_w, row_max, min_p, top_p, PRECISE))
                 bx = tl.where(status == 1, x_w, bx)
                 bi = tl.where(status == 1, w, bi)
             else:
-                x_w = _scaled(tl.load(row + w), t, PRECISE)
+                x_w = scaled(tl.load(row + w), t, PRECISE)
                 mass = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, V, BLOCK):
                     idx = start + offs
                     inb = idx < V
-                    x = _scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
+                    x = scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
                     mass += tl.where(inb & _ahead(x, idx, x_w, w), _exp(x - lse, PRECISE), 0.0)
                 status = tl.where(tl.sum(mass, 0) < top_p, 0, 1)
                 bx = tl.where(status == 1, x_w, bx)
@@ -357,7 +347,7 @@ def _finish_kernel(
             top = tl.full([], float("-inf"), tl.float32)
             for start in range(0, V, BLOCK):
                 idx = start + offs
-                x = _scaled(tl.load(row + idx, mask=idx < V, other=0.0), t, PRECISE)
+                x = scaled(tl.load(row + idx, mask=idx < V, other=0.0), t, PRECISE)
                 x = tl.where(idx < V, x, float("-inf"))
                 better = tl.max(x, 0) > top
                 w = tl.where(better, start + tl.argmax(x, 0).to(tl.int64), w)

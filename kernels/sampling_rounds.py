@@ -48,6 +48,8 @@ RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
 TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80-96, 5-6 an SM)
+NUM_WARPS = 4
+REGISTERS_PER_SM = 65536  # sm_90's register file, in 32-bit registers
 
 
 @triton.jit
@@ -212,13 +214,18 @@ def race_and_test(
     if not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
     registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
+    if registers:
+        # No more programs than fit at once: one past them gets a slot only when a resident one
+        # leaves, after every row has settled, and then only leaves itself.
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+        programs = min(programs, sms * (REGISTERS_PER_SM // (max_registers * 32 * NUM_WARPS)))
     _rounds_kernel[(_persistent(S * C, programs),)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
         state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
         state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
         CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
-        SLEEP=logits.is_cuda, num_warps=4, **registers,
+        SLEEP=logits.is_cuda, num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
