@@ -9,12 +9,7 @@
 set -uo pipefail
 out=${1:?OUT_DIR}
 mode=${2:-all}
-here=$PWD
-export PYTHONUNBUFFERED=1
-install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) || echo "install of $1 failed"; }
-python3 -m pip install -q --no-deps .whl/*.whl >/dev/null 2>&1
-rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .whl/base.tar.gz -C /tmp/base
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source bench/ab_trees.sh
 rounds="1 2"; [ "$mode" = profile ] && rounds=1
 for round in $rounds; do
   for tree in base new; do

@@ -16,18 +16,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from blink_appliance.kernels.ring_access import fence_sys
-from blink_appliance.kernels.sampling import _exp, _log
-from triton.language.extra import libdevice
+from blink_appliance.kernels.sampling import _exp, _log, scaled
 
 
 @triton.jit
 def _scaled(raw, t, PRECISE: tl.constexpr):
     """logits / temperature, rounded as torch rounds it (greedy rows divide by 1)."""
-    t = tl.where(t > 0.0, t, 1.0)
-    if PRECISE:
-        return libdevice.div_rn(raw, t)
-    else:
-        return raw / t
+    return scaled(raw, tl.where(t > 0.0, t, 1.0), PRECISE)
 
 
 @triton.jit
