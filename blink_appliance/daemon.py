@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 from blink_appliance.processes import set_on_signals, stop_child
 from blink_appliance.profile import Profile, ProfileError, region_name, ring_geometry
-from blink_appliance.wire.client import ENGINE_STALL_LIMIT_S
 from blink_appliance.wire.lifecycle import mark_engine_exited
 
 if TYPE_CHECKING:
@@ -160,7 +159,7 @@ class ApplianceDaemon:
                     [py, "-m", "blink_appliance.engine.process", str(profile_path)]
                     + ["--model", str(i), "--parent-pid", me],
                 ),
-                HeartbeatWatch(ENGINE_STALL_LIMIT_S),
+                HeartbeatWatch(profile.engine.stall_limit_s),
             )
             for i, m in enumerate(profile.models)
         ]

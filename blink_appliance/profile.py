@@ -33,6 +33,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from blink_appliance.profile_checks import engine_errors, model_set_errors
 from blink_appliance.profile_errors import ProfileError, key_path, message
+from blink_appliance.wire.engine_watch import ENGINE_STALL_LIMIT_S
 from blink_appliance.wire.link_settings import DpuSection
 from blink_appliance.wire.prefix_hash import prompt_words
 from blink_appliance.wire.ring_layout import RingGeometry
@@ -299,6 +300,9 @@ class EngineSection(_Section):
     best_effort_priority: int = Field(default=1, ge=-(2**31), le=2**31 - 1)
     # Reuse the KV blocks of prompt prefixes already computed (docs/engine.md, "Prefix cache"). Both engines.
     prefix_cache: bool = True
+    # How long the engine's heartbeat may stand still before the front end fails its open streams and
+    # the daemon restarts it (docs/reliability.md); raise it where a crowded host can stall a live engine.
+    stall_limit_s: float = Field(default=ENGINE_STALL_LIMIT_S, gt=0.0, le=3600.0)
 
     @field_validator("buckets")
     @classmethod

@@ -107,7 +107,9 @@ async def serve(
         for i, m in enumerate(models)
     ]
     dpu = profile.dpu if fe.transport == "nixl" else None
-    links = await attach_engines(plans, request_timeout_s=fe.request_timeout_s, dpu=dpu)
+    links = await attach_engines(
+        plans, request_timeout_s=fe.request_timeout_s, stall_limit_s=profile.engine.stall_limit_s, dpu=dpu
+    )
     try:
         router, telemetry = _services(profile, links, tokenizers, geometries, parent_pid)
         app = create_app(

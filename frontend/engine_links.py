@@ -56,17 +56,22 @@ class EngineLinks:
 
 
 async def attach_engines(
-    plans: Iterable[RegionPlan], *, request_timeout_s: float, dpu: DpuSection | None = None
+    plans: Iterable[RegionPlan],
+    *,
+    request_timeout_s: float,
+    stall_limit_s: float,
+    dpu: DpuSection | None = None,
 ) -> EngineLinks:
     """One started EngineClient per region, in the order given: over shared memory, or over NIXL
     when `dpu` says where the ring agent is."""
     plans = list(plans)
+    limits = dict(request_timeout_s=request_timeout_s, stall_limit_s=stall_limit_s)
     if dpu is not None:
-        return await _attach_remote(plans, request_timeout_s, dpu)
+        return await _attach_remote(plans, limits, dpu)
     links = EngineLinks([])
     try:
         for plan in plans:
-            links.links.append(_open(plan, request_timeout_s))
+            links.links.append(_open(plan, limits))
             await links.links[-1].client.start()
     except BaseException:
         await detach_engines(links)
@@ -75,7 +80,7 @@ async def attach_engines(
 
 
 async def _attach_remote(
-    plans: Sequence[RegionPlan], request_timeout_s: float, dpu: DpuSection
+    plans: Sequence[RegionPlan], limits: dict[str, float], dpu: DpuSection
 ) -> EngineLinks:
     remote = RemoteRings(dpu, [p.model for p in plans])
     links = EngineLinks([], remote)
@@ -88,9 +93,7 @@ async def _attach_remote(
                 raise ProfileError(
                     f"{plan.key} ({plan.model}): the remote ring region does not match: {e}"
                 ) from None
-            client = RemoteEngineClient(
-                region, request_timeout_s=request_timeout_s, control_interval_s=CONTROL_INTERVAL_S
-            )
+            client = RemoteEngineClient(region, control_interval_s=CONTROL_INTERVAL_S, **limits)
             links.links.append(EngineLink(plan, None, client))
             await client.start()
     except BaseException:
@@ -102,14 +105,14 @@ async def _attach_remote(
     return links
 
 
-def _open(plan: RegionPlan, request_timeout_s: float) -> EngineLink:
+def _open(plan: RegionPlan, limits: dict[str, float]) -> EngineLink:
     where = f"{plan.key} ({plan.model}): cannot open its ring region {plan.region!r}"
     try:
         transport = ShmTransport.open(plan.region)
     except (OSError, ValueError) as e:  # missing (engine not up), not a blink region, in use
         raise ProfileError(f"{where}: {e}") from None
     try:
-        client = EngineClient.attach(transport, plan.geometry, request_timeout_s=request_timeout_s)
+        client = EngineClient.attach(transport, plan.geometry, **limits)
     except (OSError, ValueError) as e:  # a region laid out for another geometry (another profile)
         transport.close()
         raise ProfileError(f"{where}: {e}") from None

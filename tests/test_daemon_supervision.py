@@ -4,19 +4,22 @@ rewrites an overwritten region header so the restarted one can attach (issue 20,
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
 
+import pytest
+from blink_appliance.frontend.engine_links import RegionPlan, attach_engines, detach_engines
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blink_appliance.daemon import ApplianceDaemon
-from blink_appliance.profile import parse_profile
+from blink_appliance.profile import ProfileError, parse_profile
 from blink_appliance.wire.lifecycle import begin_epoch
 from blink_appliance.wire.region import RingRegion
 from blink_appliance.wire.ring_layout import EngineState
-from tests.ring_support import SMALL, shm_region
+from tests.ring_support import SMALL, shm_region, unique_name
 
 
 class StandInEngine:
@@ -145,3 +148,31 @@ def test_an_overwritten_header_is_rewritten_and_the_restarted_engine_attaches(tm
         assert region.header_fault() is None
         assert len(engine.started_with) == 2 and region.load("engine_state") == EngineState.RUNNING
         daemon._workdir.rmdir()
+
+
+def test_the_profiles_stall_limit_reaches_the_daemon_and_the_front_ends_clients(tmp_path):
+    """engine.stall_limit_s: the daemon's heartbeat watch and each front-end EngineClient take it."""
+    model = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
+    profile = parse_profile({"models": [model], "engine": {"stall_limit_s": 42.5}}, origin="test")
+    assert ApplianceDaemon(profile, tmp_path / "profile.toml").engine_watch.limit_s == 42.5
+    assert parse_profile({"models": [model]}, origin="test").engine.stall_limit_s == 10.0
+
+    async def client_limit(name: str) -> int:
+        plan = RegionPlan("m", name, SMALL)
+        links = await attach_engines(
+            [plan], request_timeout_s=0.0, stall_limit_s=profile.engine.stall_limit_s
+        )
+        try:
+            return links.links[0].client._watch.stall_limit_ns
+        finally:
+            await detach_engines(links)
+
+    name = unique_name()
+    with shm_region(SMALL, name):
+        assert asyncio.run(client_limit(name)) == 42_500_000_000
+
+
+def test_a_stall_limit_that_is_not_positive_is_a_profile_error_naming_the_key():
+    model = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
+    with pytest.raises(ProfileError, match="engine.stall_limit_s"):
+        parse_profile({"models": [model], "engine": {"stall_limit_s": 0}}, origin="test")

@@ -19,7 +19,7 @@ import numpy as np
 
 from blink_appliance.wire.channel_pump import ChannelPump
 from blink_appliance.wire.channels import ChannelBounds, Pending
-from blink_appliance.wire.engine_watch import EngineWatch
+from blink_appliance.wire.engine_watch import ENGINE_STALL_LIMIT_S, EngineWatch
 from blink_appliance.wire.errors import EngineBusyError, EngineDeadError
 from blink_appliance.wire.prefix_hash import arena_words
 from blink_appliance.wire.region import RingRegion, checked_submission
@@ -31,9 +31,6 @@ from blink_appliance.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 
-# How long the engine's heartbeat may stand still before its open streams fail (docs/reliability.md):
-# a shorter stall makes streams wait; an engine that exits is seen at once through engine_state.
-ENGINE_STALL_LIMIT_S = 10.0
 # Request ids, generations and epochs wrap below these instead of overflowing their u64 words: a word
 # overwritten with a value near 2**64 must not make every later store raise.
 REQUEST_ID_LIMIT = 2**63

@@ -12,6 +12,10 @@ from blink_appliance.wire.ring_layout import EngineState
 # How long engine_state must read other than RUNNING, after it read RUNNING, before the engine counts
 # as gone: a live engine puts a stray write back within a heartbeat (wire/lifecycle.py Heartbeat.hold).
 STATE_GRACE_S = 0.25
+# How long the heartbeat may stand still before the engine counts as stuck (docs/reliability.md): a
+# shorter stall makes streams wait; an engine that exits is seen at once through engine_state. The
+# profile's engine.stall_limit_s, whose default this is, sets it for the daemon and the front end.
+ENGINE_STALL_LIMIT_S = 10.0
 
 
 class EngineWatch:
