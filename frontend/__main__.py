@@ -66,10 +66,11 @@ def serving_tokenizer(source: str, key: str = "models[0].source") -> Tokenizer |
     return vocabulary
 
 
-def _gpu_index(models: list[ModelSection]) -> int:
-    """The GPU NVML samples: the first model's that runs on one (telemetry reads one GPU)."""
-    device = next((m.device for m in models if m.device != "cpu"), "cuda:0")
-    return int(device.partition(":")[2] or 0)
+def gpu_indices(models: list[ModelSection]) -> list[int]:
+    """The GPUs NVML samples: every one a model's engine runs on (replicas, tensor-parallel ranks), so
+    that power and J/token count them all; GPU 0 when none does."""
+    devices = [d for m in models for d in m.rank_devices if d != "cpu"]
+    return sorted({int(d.partition(":")[2] or 0) for d in devices}) or [0]
 
 
 async def serve(
@@ -218,7 +219,7 @@ def _services(
             models=list(dict.fromkeys(m.name for m in models)),
             interval_s=profile.telemetry.interval_s,
             host=HostSampler(appliance_processes),
-            gpu=GpuSampler(_gpu_index(models)),
+            gpu=GpuSampler(gpu_indices(models)),
             device=models[0].device,
             devices={m.name: m.device for m in models},
             sm_shares=sm_shares((m.name, m.device, m.sm_count) for m in models),

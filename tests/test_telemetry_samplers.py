@@ -1,4 +1,5 @@
-"""Host and GPU samplers against the real machine: psutil counters, the sched probe, NVML."""
+"""Host and GPU samplers against the real machine: psutil counters, the sched probe, NVML; and a
+stand-in NVML for a sample over several GPUs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -136,3 +138,107 @@ def test_gpu_sampler_on_this_machine() -> None:
         assert stats.name and stats.power_w is not None and stats.power_w > 0
     else:
         assert stats.reason and stats.power_w is None and stats.gpu_util_percent is None
+
+
+class FakeNvml(types.ModuleType):
+    """pynvml with GPUs of fixed readings (the real one needs a GPU); index 3 supports no energy."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, names: dict[int, str]) -> None:
+        super().__init__("pynvml")
+        self.names = names
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if i not in self.names:
+            raise self.NVMLError(f"no device {i}")
+        return i
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return self.names[h]
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        return 100_000 * (h + 1)  # mW
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: int) -> int:
+        return 700_000
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
+        if h == 3:
+            raise self.NVMLError("not supported")
+        return 1_000_000 * (h + 1)  # mJ
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(gpu=10 * (h + 1), memory=5)
+
+    def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:
+        return 1000 + 100 * h
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(used=2**30 * (h + 1), total=2**30 * 80)
+
+
+def test_gpu_sampler_over_several_gpus_sums_power_energy_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor-parallel engine's two GPUs: J/token must count both boards."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml({0: "H", 1: "H", 3: "X"}))
+    one, two = GpuSampler(1), GpuSampler([0, 1])
+    one.start(), two.start()
+    a, b = one.sample(), two.sample()
+    assert (a.name, a.power_w, a.energy_j, a.gpu_util_percent) == ("H", 200.0, 2000.0, 20.0)
+    assert (b.name, b.power_w, b.power_limit_w, b.energy_j) == ("2 x H", 300.0, 1400.0, 3000.0)
+    assert (b.gpu_util_percent, b.sm_clock_mhz, b.memory_used_mib, b.memory_total_mib) == (
+        15.0,
+        1050.0,
+        3072.0,
+        163840.0,
+    )
+    assert two.device_names == {0: "H", 1: "H"}
+    mixed = GpuSampler([0, 3])
+    mixed.start()
+    c = mixed.sample()
+    assert c.name == "H + X" and c.energy_j is None and c.power_w == 500.0  # no sum of part of the boards
+    missing = GpuSampler([0, 2])
+    missing.start()
+    assert not missing.available and missing.reason is not None and "no GPU 2" in missing.reason
+
+
+def test_the_front_end_samples_every_gpu_a_models_engine_runs_on() -> None:
+    from blink_appliance.frontend.__main__ import gpu_indices
+
+    from blink_appliance.profile import parse_profile
+
+    def models(*sections: dict) -> list:
+        return parse_profile({"models": list(sections)}, origin="test").models
+
+    cpu = {"name": "c", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
+    assert gpu_indices(models(cpu)) == [0]
+    tp = {
+        "name": "t",
+        "source": "dummy:tiny",
+        "device": "cuda:2",
+        "tensor_parallel": 2,
+        "kv_budget_gib": 0.01,
+    }
+    assert gpu_indices(models(tp)) == [2, 3]
+    replicas = {"name": "r", "source": "dummy:tiny", "device": "cuda:0", "replicas": 2, "kv_budget_gib": 0.01}
+    assert gpu_indices(models(replicas, cpu)) == [0, 1]
+
+
+def test_bench_serve_takes_several_gpu_indices() -> None:
+    import argparse
+
+    from blink_appliance.bench.commands import _gpu_list
+
+    assert _gpu_list("0") == (0,) and _gpu_list("0,1") == (0, 1)
+    for bad in ("", "a", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NVML GPU indices"):
+            _gpu_list(bad)

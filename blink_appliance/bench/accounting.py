@@ -1,8 +1,9 @@
 """What a run cost: GPU energy per output token, and the server's host CPU seconds per 1,000 tokens.
 
 Reads the counters before and after a run with the telemetry samplers the appliance already uses:
-- GPU: NVML's total-energy counter (GpuSampler). It is the whole board's energy, idle power
-  included, over the run's wall time. Without NVML or a GPU the result says why.
+- GPU: NVML's total-energy counter (GpuSampler), summed over the server's GPUs (`--gpu-index 0,1`
+  for a tensor-parallel engine). It is the whole boards' energy, idle power included, over the run's
+  wall time. Without NVML or a GPU the result says why.
 - host CPU: user + system seconds of the server's processes (HostSampler over a fixed pid set):
   given pids, or found from the URL: the process listening on its port and its children, and when
   that is a blink-appliance front end, its daemon and all the daemon's children (the engine).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -126,7 +128,7 @@ class RunCost:
 class RunMeter:
     """`start()` before a run, `finish(output_tokens)` after it."""
 
-    def __init__(self, server: ServerProcesses, *, gpu_index: int | None = 0) -> None:
+    def __init__(self, server: ServerProcesses, *, gpu_index: int | Sequence[int] | None = 0) -> None:
         self.server = server
         self._gpu = GpuSampler(gpu_index) if gpu_index is not None else None
         self._host = HostSampler({f"server-{i}": pid for i, pid in enumerate(server.pids)})

@@ -34,6 +34,16 @@ def _pid_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected pids like 1234,1240, got {text!r}") from None
 
 
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        indices = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        indices = ()
+    if not indices or min(indices) < 0:
+        raise argparse.ArgumentTypeError(f"expected NVML GPU indices like 0 or 0,1, got {text!r}")
+    return indices
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: serving load against an endpoint, co-located CPU load")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -106,7 +116,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
     r.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
     r.add_argument("--server-pids", type=_pid_list, default=None, help="server processes for CPU accounting")
-    r.add_argument("--gpu-index", type=int, default=0, help="NVML index of the server's GPU (default 0)")
+    r.add_argument(
+        "--gpu-index", type=_gpu_list, default=(0,),
+        help="NVML indices of the server's GPUs, e.g. 0,1 for two ranks; their energy adds up (default 0)",
+    )  # fmt: skip
     r.add_argument("--no-gpu-energy", action="store_true", help="do not read the GPU energy counter")
     r.add_argument("--result-json", type=Path, default=None, help="write the full result here")
     r.add_argument("--save-detailed", action="store_true", help="per-request ITLs in the JSON")

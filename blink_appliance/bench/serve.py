@@ -38,7 +38,7 @@ class ServeOptions:
     slo: SLO = field(default_factory=SLO)
     warmup: int = 1
     server_pids: tuple[int, ...] | None = None  # None: found from the URL
-    gpu_index: int | None = 0
+    gpu_index: int | tuple[int, ...] | None = 0  # NVML index or indices (energy summed); None: none
     interference: InterferenceSpec | None = None  # runs during every measured run
     save_detailed: bool = False
     result_json: Path | None = None

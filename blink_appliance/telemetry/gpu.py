@@ -4,14 +4,17 @@ Without the package, the NVML library, or a GPU, `sample()` returns GpuStats(ava
 with a reason and every measurement None. A single query the GPU does not support (energy on
 older boards, say) leaves just that field None.
 
-NVML numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES: pass the NVML index.
+NVML numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES: pass the NVML index. Given several
+(a tensor-parallel engine's ranks, replicas, models on several GPUs), a sample is their sum: power,
+energy and memory add up, utilization and clocks are the mean, so J/token counts every GPU that
+served the tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from blink_appliance.telemetry.snapshot import GpuStats
@@ -22,11 +25,14 @@ T = TypeVar("T")
 
 
 class GpuSampler:
-    def __init__(self, device_index: int = 0) -> None:
-        self.device_index = device_index
+    def __init__(self, device_index: int | Sequence[int] = 0) -> None:
+        self.device_indices = [device_index] if isinstance(device_index, int) else list(device_index)
+        if not self.device_indices:
+            raise ValueError("GpuSampler: no GPU index given")
         self._nvml: Any = None  # the pynvml module once initialized
-        self._handle: Any = None
-        self._name: str | None = None
+        self._handles: list[Any] = []
+        self._name: str | None = None  # the sample's: one GPU's name, or "2 x <name>"
+        self.device_names: dict[int, str | None] = {}  # each sampled GPU's, by NVML index, once started
         self.reason: str | None = "not started"
         # A sample runs in a worker thread and may still be querying when stop() shuts NVML down:
         # NVML calls on a handle after nvmlShutdown are undefined, so the two never overlap.
@@ -34,10 +40,10 @@ class GpuSampler:
 
     @property
     def available(self) -> bool:
-        return self._handle is not None
+        return bool(self._handles)
 
     def start(self) -> None:
-        if self._handle is not None:
+        if self._handles:
             return
         try:
             import pynvml
@@ -49,16 +55,23 @@ class GpuSampler:
         except pynvml.NVMLError as e:
             self.reason = f"NVML unavailable: {e}"
             return
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
-        except pynvml.NVMLError as e:
-            self.reason = f"no GPU {self.device_index}: {e}"
-            pynvml.nvmlShutdown()
-            return
-        self._nvml, self._handle, self.reason = pynvml, handle, None
-        name = self._query(lambda: pynvml.nvmlDeviceGetName(handle))
-        self._name = name.decode() if isinstance(name, bytes) else name
-        log.info("NVML: sampling GPU %d (%s)", self.device_index, self._name)
+        handles = []
+        for index in self.device_indices:
+            try:
+                handles.append(pynvml.nvmlDeviceGetHandleByIndex(index))
+            except pynvml.NVMLError as e:
+                self.reason = f"no GPU {index}: {e}"
+                pynvml.nvmlShutdown()
+                return
+        self._nvml, self._handles, self.reason = pynvml, handles, None
+        for index, h in zip(self.device_indices, handles, strict=True):
+            name = self._query(lambda h=h: pynvml.nvmlDeviceGetName(h))
+            self.device_names[index] = name.decode() if isinstance(name, bytes) else name
+        names = list(self.device_names.values())
+        self._name = names[0] if len(names) == 1 else (
+            f"{len(names)} x {names[0]}" if len(set(names)) == 1 else " + ".join(str(n) for n in names)
+        )  # fmt: skip
+        log.info("NVML: sampling GPU %s (%s)", ", ".join(map(str, self.device_indices)), self._name)
 
     def stop(self) -> None:
         with self._lock:
@@ -67,7 +80,7 @@ class GpuSampler:
                     self._nvml.nvmlShutdown()
                 except self._nvml.NVMLError:
                     pass
-            self._nvml = self._handle = None
+            self._nvml, self._handles = None, []
             self.reason = "stopped"
 
     def _query(self, fn: Callable[[], T]) -> T | None:
@@ -81,24 +94,47 @@ class GpuSampler:
             return self._sample()
 
     def _sample(self) -> GpuStats:
-        if self._handle is None:
+        if not self._handles:
             return GpuStats(available=False, reason=self.reason)
-        nv, h = self._nvml, self._handle
-        power_mw = self._query(lambda: nv.nvmlDeviceGetPowerUsage(h))
-        limit_mw = self._query(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
-        energy_mj = self._query(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h))
-        util = self._query(lambda: nv.nvmlDeviceGetUtilizationRates(h))
-        sm_clock = self._query(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
-        mem = self._query(lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        each = [self._read(h) for h in self._handles]
+
+        def total(key: str) -> float | None:
+            values = [r[key] for r in each]
+            return None if any(v is None for v in values) else float(sum(values))
+
+        def mean(key: str) -> float | None:
+            value = total(key)
+            return None if value is None else value / len(each)
+
         return GpuStats(
             available=True,
             name=self._name,
-            power_w=power_mw / 1000.0 if power_mw is not None else None,
-            power_limit_w=limit_mw / 1000.0 if limit_mw is not None else None,
-            energy_j=energy_mj / 1000.0 if energy_mj is not None else None,
-            gpu_util_percent=float(util.gpu) if util is not None else None,
-            mem_util_percent=float(util.memory) if util is not None else None,
-            sm_clock_mhz=float(sm_clock) if sm_clock is not None else None,
-            memory_used_mib=mem.used / 2**20 if mem is not None else None,
-            memory_total_mib=mem.total / 2**20 if mem is not None else None,
+            power_w=_per(total("power_mw"), 1000.0),
+            power_limit_w=_per(total("limit_mw"), 1000.0),
+            energy_j=_per(total("energy_mj"), 1000.0),
+            gpu_util_percent=mean("gpu_util"),
+            mem_util_percent=mean("mem_util"),
+            sm_clock_mhz=mean("sm_clock"),
+            memory_used_mib=_per(total("mem_used"), 2**20),
+            memory_total_mib=_per(total("mem_total"), 2**20),
         )
+
+    def _read(self, h: Any) -> dict[str, float | None]:
+        """One GPU's readings in NVML's units (None: not supported there, or a transient failure)."""
+        nv = self._nvml
+        util = self._query(lambda: nv.nvmlDeviceGetUtilizationRates(h))
+        mem = self._query(lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        return dict(
+            power_mw=self._query(lambda: nv.nvmlDeviceGetPowerUsage(h)),
+            limit_mw=self._query(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h)),
+            energy_mj=self._query(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h)),
+            gpu_util=util.gpu if util is not None else None,
+            mem_util=util.memory if util is not None else None,
+            sm_clock=self._query(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+            mem_used=mem.used if mem is not None else None,
+            mem_total=mem.total if mem is not None else None,
+        )
+
+
+def _per(value: float | None, unit: float) -> float | None:
+    return None if value is None else value / unit

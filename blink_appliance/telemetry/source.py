@@ -186,8 +186,11 @@ class TelemetrySource:
         device = self._devices.get(model, self._device)
         if device is None or device == "cpu":
             return device
-        sampled = device.partition(":")[2] in ("", str(self.gpu.device_index))
-        return gpu.name if gpu.available and gpu.name and sampled else device
+        index = int(device.partition(":")[2] or 0)
+        if not gpu.available or index not in self.gpu.device_indices:
+            return device
+        one = len(self.gpu.device_indices) == 1  # then the sample's name is that GPU's
+        return self.gpu.device_names.get(index) or (gpu.name if one else None) or device
 
     def _sample_devices(self) -> tuple[HostStats, GpuStats]:
         return self.host.sample(), self.gpu.sample()
