@@ -110,18 +110,17 @@ def _race_chunk(
     chunk's max and sum of exp(x - max) for the row's logsumexp. Argmax rows race on the raw logits."""
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
-    row = logits_ptr + tl.cast(r, tl.int64) * stride
+    raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + idx, mask=inb, other=float("-inf"))
     out = r * n_chunks + c
     t = tl.load(temperature_ptr + r)
     if ARGMAX or t <= 0.0:
-        raw = tl.load(row + idx, mask=inb, other=float("-inf"))
         best, arg = tl.max(raw, 0, return_indices=True)  # ties: the lowest index, as argmax
         best_index = c * CHUNK + arg
     else:
+        row = logits_ptr + tl.cast(r, tl.int64) * stride
         seed = tl.load(seed_ptr + r)
         out_index = tl.load(out_index_ptr + r)
         if FIRST:  # the whole row is the region
-            raw = tl.load(row + idx, mask=inb, other=float("-inf"))
             # IEEE division by t > 0 keeps order, so the max of x / t is the max of x, divided once.
             hi = scaled(tl.max(raw, 0), t, PRECISE)
             tl.store(part_max_ptr + out, hi)
@@ -130,20 +129,16 @@ def _race_chunk(
                 tl.store(part_sum_ptr + out, tl.sum(q, 0))
             best, best_index = best_score(raw, idx, c * CHUNK, inb, seed, out_index, row, t, True, PRECISE)
         else:
+            x = tl.where(inb, scaled(raw, t, PRECISE), float("-inf"))
+            region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
             floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
+            region = region & (x >= floor)
             best = tl.full([], float("-inf"), tl.float32)
             best_index = c * CHUNK
-            # A chunk whose largest x / t (the first race's part_max) is below min-p's floor has no
-            # region: it is not read.
-            if not (tl.load(part_max_ptr + out, cache_modifier=".cg") < floor):
-                raw = tl.load(row + idx, mask=inb, other=float("-inf"))
-                x = tl.where(inb, scaled(raw, t, PRECISE), float("-inf"))
-                region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
-                region = region & (x >= floor)
-                if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
-                    best, best_index = best_score(
-                        raw, idx, c * CHUNK, region, seed, out_index, row, t, True, PRECISE
-                    )
+            if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
+                best, best_index = best_score(
+                    raw, idx, c * CHUNK, region, seed, out_index, row, t, True, PRECISE
+                )
     tl.store(part_score_ptr + out, best)
     tl.store(part_index_ptr + out, best_index.to(tl.int64))
 
@@ -251,30 +246,28 @@ def _pick_row(
 
 @triton.jit
 def _mass_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_max_ptr, part_mass_ptr, V,
-    n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of row r under the top-p test: the probability mass ranked before the candidate
     (MASS_PRECISION). The rank is by x / t, exactly rounded; the logits themselves rank the same
-    except where rounding ties two of them, which only a logit within 2^-20 of the candidate's can.
-    A chunk whose largest x / t (the first race's part_max) is below the candidate's holds none."""
+    except where rounding ties two of them, which only a logit within 2^-20 of the candidate's can."""
     row = logits_ptr + tl.cast(r, tl.int64) * stride
     t = tl.load(temperature_ptr + r)
     w = tl.load(candidate_ptr + r)
     raw_w = tl.load(row + w)
-    mass = tl.full([], 0.0, tl.float32)
-    if not (tl.load(part_max_ptr + r * n_chunks + c, cache_modifier=".cg") < scaled(raw_w, t, PRECISE)):
-        idx = c * CHUNK + tl.arange(0, CHUNK)
-        inb = idx < V
-        raw = tl.load(row + idx, mask=inb, other=0.0)
-        close = inb & (raw != raw_w) & (tl.abs(raw - raw_w) <= TIE_BAND * tl.abs(raw_w))
-        if (tl.max(close.to(tl.int32), 0) > 0) | ~(tl.abs(raw_w) < float("inf")):
-            x = scaled(raw, t, PRECISE)
-            ahead = inb & _ahead(x, idx, scaled(raw_w, t, PRECISE), w)
-        else:
-            ahead = inb & _ahead(raw, idx, raw_w, w)
-        mass = tl.sum(tl.where(ahead, tl.exp(raw * (1.0 / t) - tl.load(row_lse_ptr + r)), 0.0), 0)
-    tl.store(part_mass_ptr + r * n_chunks + c, mass)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    inb = idx < V
+    raw = tl.load(row + idx, mask=inb, other=0.0)
+    lse = tl.load(row_lse_ptr + r)
+    close = inb & (raw != raw_w) & (tl.abs(raw - raw_w) <= TIE_BAND * tl.abs(raw_w))
+    if (tl.max(close.to(tl.int32), 0) > 0) | ~(tl.abs(raw_w) < float("inf")):
+        x = scaled(raw, t, PRECISE)
+        ahead = inb & _ahead(x, idx, scaled(raw_w, t, PRECISE), w)
+    else:
+        ahead = inb & _ahead(raw, idx, raw_w, w)
+    q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
+    tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
 
 
 @triton.jit

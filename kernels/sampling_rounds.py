@@ -118,8 +118,8 @@ def _pass_chunks(
     for c in range(start, stop):
         if kind == TEST:
             _mass_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_max_ptr,
-                part_sum_ptr, V, n_chunks, CHUNK, PRECISE,
+                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_sum_ptr, V,
+                n_chunks, CHUNK, PRECISE,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             _race_chunk(

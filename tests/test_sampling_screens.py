@@ -25,35 +25,28 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @triton.jit
 def _mass_kernel(
-    logits_ptr, t_ptr, candidate_ptr, lse_ptr, part_max_ptr, out_ptr, V, n_chunks, CHUNK: tl.constexpr,
-    PRECISE: tl.constexpr,
-):  # fmt: skip
-    c = tl.program_id(0)
-    _mass_chunk(
-        0, c, logits_ptr, V, t_ptr, candidate_ptr, lse_ptr, part_max_ptr, out_ptr, V, n_chunks, CHUNK, PRECISE
-    )
+    logits_ptr, t_ptr, candidate_ptr, lse_ptr, out_ptr, V, CHUNK: tl.constexpr, PRECISE: tl.constexpr
+):
+    _mass_chunk(0, 0, logits_ptr, V, t_ptr, candidate_ptr, lse_ptr, out_ptr, V, 1, CHUNK, PRECISE)
 
 
 def test_top_p_mass_ranks_by_rounded_x_over_t():
     """3.3 and the next float above it tie once divided by 0.7, so the token holding the larger one
-    ranks after the candidate (its index is higher), not before it as the logits alone would say.
-    Three chunks of 32: the first holds the tie and a 4.0, the second a 5.0, the third nothing ranked
-    before the candidate (its part_max says so, and it is skipped)."""
+    ranks after the candidate (its index is higher), not before it as the logits alone would say."""
     t = 0.7
     above = float(torch.nextafter(torch.tensor(3.3), torch.tensor(10.0)))
-    logits = torch.zeros(96)
-    logits[5], logits[9], logits[20], logits[40] = 3.3, above, 4.0, 5.0
+    logits = torch.zeros(64)
+    logits[5], logits[9], logits[20] = 3.3, above, 4.0
     assert (logits[5] / t).item() == (logits[9] / t).item() and logits[9] > logits[5]
     x = logits / t
     lse = torch.logsumexp(x, 0)
-    part_max = x.reshape(3, 32).amax(1)
-    out = torch.zeros(3, device=DEVICE)
-    _mass_kernel[(3,)](
+    out = torch.zeros(1, device=DEVICE)
+    _mass_kernel[(1,)](
         logits.to(DEVICE), torch.tensor([t], device=DEVICE), torch.tensor([5], device=DEVICE),
-        lse.reshape(1).to(DEVICE), part_max.to(DEVICE), out, 96, 3, CHUNK=32, PRECISE=DEVICE == "cuda",
+        lse.reshape(1).to(DEVICE), out, 64, CHUNK=64, PRECISE=DEVICE == "cuda",
     )  # fmt: skip
-    want = torch.exp(torch.stack([x[20], x[40], torch.tensor(-float("inf"))]) - lse)  # 4.0 and 5.0 only
-    assert torch.allclose(out.cpu(), want, rtol=1e-5), (out, want, torch.exp(x[9] - lse))
+    want = torch.exp(x[20] - lse)  # only the 4.0 ranks before the candidate
+    assert torch.allclose(out.cpu(), want.reshape(1), rtol=1e-5), (out, want, torch.exp(x[9] - lse))
 
 
 @triton.jit
