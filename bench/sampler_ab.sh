@@ -9,7 +9,7 @@ out=${1:?OUT_DIR}
 mode=${2:-sampler}
 rows=${3:-1,64}
 source bench/ab_trees.sh
-for tree in base new; do
+for tree in ${AB_ORDER:-base new}; do  # AB_ORDER="new base" to see whether the order moves the numbers
   dir=$here; [ $tree = base ] && dir=/tmp/base
   install "$dir"
   if [ "$mode" = step ]; then
