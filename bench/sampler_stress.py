@@ -116,10 +116,16 @@ def main() -> int:
                     os._exit(3)  # a context with a spinning kernel may not tear down
                 time.sleep(0.001)
             done = step + 1
+            if done % 2000 == 0:
+                print(
+                    f"{done} steps, {time.monotonic() - t0:.1f} s, {mismatches} rows unlike the reference",
+                    flush=True,
+                )
     torch.cuda.synchronize()
     summary = dict(
-        device=torch.cuda.get_device_name(), steps=done, seconds=round(time.monotonic() - t0, 1), kinds=kinds
-    )
+        device=torch.cuda.get_device_name(), steps=done, seconds=round(time.monotonic() - t0, 1), kinds=kinds,
+        verified_steps=verified, mismatched_rows=mismatches,
+    )  # fmt: skip
     print(json.dumps(summary), flush=True)
     if args.out:
         args.out.write_text(json.dumps(summary))
