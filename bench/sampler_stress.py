@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python3 bench/sampler_stress.py [--steps 20000] [--rows 64] [--capacity 256]
 
+Without a GPU it runs the same steps under the Triton interpreter (use a small --vocab): a check of
+the harness and of the tokens, with no deadlines.
+
 Each step draws new logits (N(0, scale) with a scale drawn per step; some steps rounded to bf16, whose
 ties reach the rank rules; some peaked), moves every row's output index on, and replays the captured
 rejection variant, interleaved with greedy steps as a serving loop mixes them. Every `--check` steps
@@ -21,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():  # a smoke run of the harness: interpreted, no deadlines, no timing
+    os.environ["TRITON_INTERPRET"] = "1"
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import _ensure_kernels_importable  # noqa: E402
 
@@ -29,7 +35,7 @@ _ensure_kernels_importable()
 from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
 from blink_appliance.engine.reference.sampler import SamplingTensors, sample  # noqa: E402
 from blink_appliance.wire.request import SamplingParams  # noqa: E402
-from tests.test_device_sampler import load_rows, make_state  # noqa: E402
+from tests.test_device_sampler import make_state  # noqa: E402
 
 MIXES = {
     "t0.7 top_p 0.9": dict(temperature=0.7, top_p=0.9),
@@ -57,6 +63,17 @@ def snapshot(sampler: DeviceSampler, rows: int) -> dict:
     return out
 
 
+def set_rows(state, p: SamplingParams, step: int, n: int) -> None:
+    """What schedule writes for the sample rows (as tests/test_device_sampler.load_rows, every row with
+    p's settings and seed step * 131 + row), by fills on the GPU: no host copy waits on the stream."""
+    state.row_temperature[:n].fill_(p.temperature)
+    state.row_top_k[:n].fill_(p.top_k)
+    state.row_top_p[:n].fill_(p.top_p)
+    state.row_min_p[:n].fill_(p.min_p)
+    state.row_seed[:n].copy_(torch.arange(n, device=state.row_seed.device) + step * 131)
+    state.row_output_index[:n].fill_(step)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20000)
@@ -71,7 +88,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting steps after this")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    dev = "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     state = make_state(args.capacity, args.vocab)
     logits = torch.zeros(args.capacity, args.vocab, device=dev)
     sampler = DeviceSampler(state, logits)
@@ -79,51 +96,57 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(1)
     head = 16.0 - 1.5 * torch.log(torch.arange(1, args.vocab + 1, dtype=torch.float32, device=dev))
     mixes = list(MIXES)
+    n = args.rows
+    state.sample_slot[:n] = torch.arange(n, dtype=torch.int32, device=dev)
+    state.num_sample_rows.fill_(n)
     t0 = time.monotonic()
     done, kinds, verified, mismatches = 0, {}, 0, 0
     for step in range(args.steps):
         if time.monotonic() - t0 > args.budget_s:
             break
         mix = mixes[step % len(mixes)]
-        params = [SamplingParams(seed=step * 131 + r, max_tokens=1, **MIXES[mix]) for r in range(args.rows)]
-        load_rows(state, params, [step] * args.rows)
+        params = [SamplingParams(seed=step * 131 + r, max_tokens=1, **MIXES[mix]) for r in range(n)]
+        set_rows(state, params[0], step, n)
         scale = float(torch.empty(1).uniform_(0.25, 4.0))
-        logits[: args.rows].normal_(0.0, scale, generator=gen)
+        logits[:n].normal_(0.0, scale, generator=gen)
         kind = ("bf16 " if step % 3 == 0 else "") + ("peaked" if step % 5 == 0 else "flat")
         if step % 5 == 0:
-            logits[: args.rows] += head[torch.randperm(args.vocab, device=dev, generator=gen)]
+            logits[:n] += head[torch.randperm(args.vocab, device=dev, generator=gen)]
         if step % 3 == 0:
             logits.copy_(logits.bfloat16().float())
         (greedy if step % 7 == 6 else rejection)()
         kinds[kind] = kinds.get(kind, 0) + 1
-        if step % args.verify == 0 and step % 7 != 6:
-            tensors = SamplingTensors.build(params, [p.seed for p in params], [step] * args.rows, "cpu")
-            want = sample(logits[: args.rows].cpu(), tensors)
-            mismatches += int((state.sampled[: args.rows].cpu() != want).sum())
-            verified += 1
-        if step % args.check == args.check - 1:
+        if dev == "cpu":
+            done = step + 1
+        elif step % args.check == args.check - 1 or step % args.verify == 0:
+            # Nothing above waits for the GPU (fills, no host copies), so a step that never ends is
+            # seen here, and its state can still be read on another stream.
             event = torch.cuda.Event()
             event.record()
             deadline = time.monotonic() + args.deadline_s
             while not event.query():
                 if time.monotonic() > deadline:
-                    report = dict(
-                        step=step, mix=mix, kind=kind, scale=scale, state=snapshot(sampler, args.rows)
-                    )
+                    report = dict(step=step, mix=mix, kind=kind, scale=scale, state=snapshot(sampler, n))
                     print("HUNG", json.dumps(report)[:4000], flush=True)
                     if args.out:
                         args.out.write_text(json.dumps(report))
                     os._exit(3)  # a context with a spinning kernel may not tear down
                 time.sleep(0.001)
             done = step + 1
-            if done % 2000 == 0:
-                print(
-                    f"{done} steps, {time.monotonic() - t0:.1f} s, {mismatches} rows unlike the reference",
-                    flush=True,
-                )
-    torch.cuda.synchronize()
+        if step % args.verify == 0 and step % 7 != 6:
+            tensors = SamplingTensors.build(params, [p.seed for p in params], [step] * n, "cpu")
+            want = sample(logits[:n].cpu(), tensors)
+            mismatches += int((state.sampled[:n].cpu() != want).sum())
+            verified += 1
+        if done % 2000 == 0 and done == step + 1:
+            print(
+                f"{done} steps, {time.monotonic() - t0:.1f} s, {mismatches} rows unlike the reference",
+                flush=True,
+            )
+    if dev == "cuda":
+        torch.cuda.synchronize()
     summary = dict(
-        device=torch.cuda.get_device_name(), steps=done, seconds=round(time.monotonic() - t0, 1), kinds=kinds,
+        device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreted)", steps=done, seconds=round(time.monotonic() - t0, 1), kinds=kinds,
         verified_steps=verified, mismatched_rows=mismatches,
     )  # fmt: skip
     print(json.dumps(summary), flush=True)
