@@ -6,7 +6,7 @@ Without a GPU it runs the same steps under the Triton interpreter (use a small -
 the harness and of the tokens, with no deadlines.
 
 Each step draws new logits (N(0, scale) with a scale drawn per step; some steps rounded to bf16, whose
-ties reach the rank rules; some peaked), moves every row's output index on, and replays the captured
+ties reach the rank rules; some peaked), moves every row's output index on, and runs the
 rejection variant, interleaved with greedy steps as a serving loop mixes them. Every `--check` steps
 the host waits for the GPU with a deadline. A step still running past it is reported with the queue's
 counters and the rows' state, read on a stream of their own while the kernel spins (exit 3). Every
