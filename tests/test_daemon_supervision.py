@@ -51,9 +51,11 @@ class StandInEngine:
         self.code = -9
 
 
+MODEL = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
+
+
 def daemon_with(region: RingRegion, tmp_path: Path) -> tuple[ApplianceDaemon, StandInEngine]:
-    model = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
-    daemon = ApplianceDaemon(parse_profile({"models": [model]}, origin="test"), tmp_path / "profile.toml")
+    daemon = ApplianceDaemon(parse_profile({"models": [MODEL]}, origin="test"), tmp_path / "profile.toml")
     daemon.engine = StandInEngine(region)  # type: ignore[assignment]
     return daemon, daemon.engine  # type: ignore[return-value]
 
@@ -152,10 +154,11 @@ def test_an_overwritten_header_is_rewritten_and_the_restarted_engine_attaches(tm
 
 def test_the_profiles_stall_limit_reaches_the_daemon_and_the_front_ends_clients(tmp_path):
     """engine.stall_limit_s: the daemon's heartbeat watch and each front-end EngineClient take it."""
-    model = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
-    profile = parse_profile({"models": [model], "engine": {"stall_limit_s": 42.5}}, origin="test")
-    assert ApplianceDaemon(profile, tmp_path / "profile.toml").engine_watch.limit_s == 42.5
-    assert parse_profile({"models": [model]}, origin="test").engine.stall_limit_s == 10.0
+    profile = parse_profile({"models": [MODEL], "engine": {"stall_limit_s": 42.5}}, origin="test")
+    daemon = ApplianceDaemon(profile, tmp_path / "profile.toml")
+    assert daemon.engine_watch.limit_s == 42.5
+    daemon._workdir.rmdir()
+    assert parse_profile({"models": [MODEL]}, origin="test").engine.stall_limit_s == 10.0
 
     async def client_limit(name: str) -> int:
         plan = RegionPlan("m", name, SMALL)
@@ -173,6 +176,5 @@ def test_the_profiles_stall_limit_reaches_the_daemon_and_the_front_ends_clients(
 
 
 def test_a_stall_limit_that_is_not_positive_is_a_profile_error_naming_the_key():
-    model = {"name": "m", "source": "dummy:tiny", "device": "cpu", "kv_budget_gib": 0.01}
     with pytest.raises(ProfileError, match="engine.stall_limit_s"):
-        parse_profile({"models": [model], "engine": {"stall_limit_s": 0}}, origin="test")
+        parse_profile({"models": [MODEL], "engine": {"stall_limit_s": 0}}, origin="test")

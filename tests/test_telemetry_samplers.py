@@ -3,6 +3,7 @@ stand-in NVML for a sample over several GPUs."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import threading
@@ -11,7 +12,10 @@ import types
 
 import psutil
 import pytest
+from blink_appliance.frontend.__main__ import gpu_indices
 
+from blink_appliance.bench.commands import _gpu_list
+from blink_appliance.profile import parse_profile
 from blink_appliance.telemetry.gpu import GpuSampler
 from blink_appliance.telemetry.host import HostSampler
 from blink_appliance.telemetry.sched_probe import SchedLatencyProbe
@@ -190,8 +194,9 @@ class FakeNvml(types.ModuleType):
 def test_gpu_sampler_over_several_gpus_sums_power_energy_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor-parallel engine's two GPUs: J/token must count both boards."""
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml({0: "H", 1: "H", 3: "X"}))
-    one, two = GpuSampler(1), GpuSampler([0, 1])
-    one.start(), two.start()
+    one, two = GpuSampler(1), GpuSampler([0, 1, 0])  # a GPU listed twice counts once
+    one.start()
+    two.start()
     a, b = one.sample(), two.sample()
     assert (a.name, a.power_w, a.energy_j, a.gpu_util_percent) == ("H", 200.0, 2000.0, 20.0)
     assert (b.name, b.power_w, b.power_limit_w, b.energy_j) == ("2 x H", 300.0, 1400.0, 3000.0)
@@ -212,10 +217,6 @@ def test_gpu_sampler_over_several_gpus_sums_power_energy_and_memory(monkeypatch:
 
 
 def test_the_front_end_samples_every_gpu_a_models_engine_runs_on() -> None:
-    from blink_appliance.frontend.__main__ import gpu_indices
-
-    from blink_appliance.profile import parse_profile
-
     def models(*sections: dict) -> list:
         return parse_profile({"models": list(sections)}, origin="test").models
 
@@ -234,11 +235,7 @@ def test_the_front_end_samples_every_gpu_a_models_engine_runs_on() -> None:
 
 
 def test_bench_serve_takes_several_gpu_indices() -> None:
-    import argparse
-
-    from blink_appliance.bench.commands import _gpu_list
-
-    assert _gpu_list("0") == (0,) and _gpu_list("0,1") == (0, 1)
+    assert _gpu_list("0") == (0,) and _gpu_list("0,1") == (0, 1) and _gpu_list("0-1,1") == (0, 1)
     for bad in ("", "a", "-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="NVML GPU indices"):
             _gpu_list(bad)

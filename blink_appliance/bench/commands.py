@@ -13,18 +13,26 @@ from pathlib import Path
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
-def _cpu_list(text: str) -> tuple[int, ...]:
-    """CPU numbers from "0-3,8,10-11" -> (0, 1, 2, 3, 8, 10, 11)."""
-    cpus: list[int] = []
+def _numbers(text: str, what: str) -> tuple[int, ...]:
+    """Numbers from "0-3,8,10-11" -> (0, 1, 2, 3, 8, 10, 11), each once."""
+    numbers: list[int] = []
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
             lo, sep, hi = part.partition("-")
-            cpus.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            numbers.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CPU numbers like 0-3,8, got {text!r}") from None
-    if not cpus or min(cpus) < 0:
-        raise argparse.ArgumentTypeError(f"expected CPU numbers like 0-3,8, got {text!r}")
-    return tuple(dict.fromkeys(cpus))
+        numbers = []
+    if not numbers or min(numbers) < 0:
+        raise argparse.ArgumentTypeError(f"expected {what} like 0-3,8, got {text!r}")
+    return tuple(dict.fromkeys(numbers))
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    return _numbers(text, "CPU numbers")
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    return _numbers(text, "NVML GPU indices")
 
 
 def _pid_list(text: str) -> tuple[int, ...]:
@@ -32,16 +40,6 @@ def _pid_list(text: str) -> tuple[int, ...]:
         return tuple(int(p) for p in text.split(",") if p.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected pids like 1234,1240, got {text!r}") from None
-
-
-def _gpu_list(text: str) -> tuple[int, ...]:
-    try:
-        indices = tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        indices = ()
-    if not indices or min(indices) < 0:
-        raise argparse.ArgumentTypeError(f"expected NVML GPU indices like 0 or 0,1, got {text!r}")
-    return indices
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -26,7 +26,10 @@ T = TypeVar("T")
 
 class GpuSampler:
     def __init__(self, device_index: int | Sequence[int] = 0) -> None:
-        self.device_indices = [device_index] if isinstance(device_index, int) else list(device_index)
+        # Each GPU once: a board listed twice would count its energy twice.
+        self.device_indices = list(
+            dict.fromkeys([device_index] if isinstance(device_index, int) else device_index)
+        )
         if not self.device_indices:
             raise ValueError("GpuSampler: no GPU index given")
         self._nvml: Any = None  # the pynvml module once initialized
