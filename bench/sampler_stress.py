@@ -80,7 +80,12 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--capacity", type=int, default=256, help="the loop's max_seqs: sampler rows allocated")
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--check", type=int, default=200, help="steps between waits on the GPU")
+    ap.add_argument(
+        "--check",
+        type=int,
+        default=25,
+        help="steps between waits on the GPU (few: a full launch queue would block the host before the deadline)",
+    )
     ap.add_argument("--deadline-s", type=float, default=5.0)
     ap.add_argument(
         "--verify", type=int, default=200, help="steps between checks against the reference sampler"

@@ -84,10 +84,15 @@ def _queue(queue_ptr, counters_ptr, r, kind):
 def _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl.constexpr):
     """Row r's pass is decided with `status`: queue its test (2), its next race (1) while it has had
     fewer than ROUNDS, or count it settled (done, or left to `finish`)."""
+    races = tl.load(races_ptr + r)
+    # Every thread branches on its own load of races[r]; one thread writes it below. Without the
+    # barrier a warp that loads late could read the new count, take the other branch and never meet
+    # the barriers of the atomics in this one.
+    tl.debug_barrier()
     if status == 2:
         _queue(queue_ptr, counters_ptr, r, TEST)
-    elif (status == 1) & (tl.load(races_ptr + r) < ROUNDS):
-        tl.store(races_ptr + r, tl.load(races_ptr + r) + 1)
+    elif (status == 1) & (races < ROUNDS):
+        tl.store(races_ptr + r, races + 1)
         _queue(queue_ptr, counters_ptr, r, RACE)
     else:
         tl.atomic_add(counters_ptr + SETTLED, 1, sem="release")
