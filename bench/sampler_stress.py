@@ -83,8 +83,10 @@ def main() -> int:
     ap.add_argument(
         "--check",
         type=int,
-        default=25,
-        help="steps between waits on the GPU (few: a full launch queue would block the host before the deadline)",
+        default=200,
+        help="steps between waits on the GPU: 200 keeps it busy back to back, where the skip hung (the"
+        " hang then ends by the caller's time limit: the host likely blocks on a full launch queue); a few (25) lets"
+        " the harness report a hung step's queue, but there the skip did not hang",
     )
     ap.add_argument("--deadline-s", type=float, default=5.0)
     ap.add_argument(

@@ -106,6 +106,7 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
         for start in range(0, tail, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             tl.store(queue_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < tail)
+        tl.debug_barrier()  # every warp has read TAIL (its share of the slots) before TAIL is zeroed
         tl.store(counters_ptr + tl.arange(0, LINES) * LINE, tl.zeros([LINES], tl.int32))
 
 
