@@ -136,6 +136,9 @@ def _commit_rows(
     row = row & (chan >= 0) & (chan < max_inflight)
     chan = chan.to(tl.int64)
     room = row & (i < max_output_tokens)
+    # Every warp has loaded num_tokens before some warp's lanes store n + 1: up to 32 rows the lines
+    # above hold no barrier, and a warp loading late would see the new count.
+    tl.debug_barrier()
     tl.store(token_ids_ptr + s.to(tl.int64) * MAX_MODEL_LEN + n, token, mask=room & (n < MAX_MODEL_LEN))
     tl.store(num_tokens_ptr + s, n + 1, mask=room)
 

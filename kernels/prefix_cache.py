@@ -60,8 +60,11 @@ def release_one(slot, count, top, tail, n_cached, block_table_ptr, free_blocks_p
         entry = block_table_ptr + slot * MAXB + (count - 1 - j)
         b = tl.load(entry, mask=m, other=0)
         left = tl.load(blocks.ref + b, mask=m, other=1) - 1
-        tl.store(blocks.ref + b, left, mask=m)
         cached = tl.load(blocks.cached + b, mask=m, other=0) != 0
+        # Every warp has read the entries and holder counts before the stores below: at BLOCK_J
+        # lanes the sums hold no barrier, and a warp reading late would see -1 or the new count.
+        tl.debug_barrier()
+        tl.store(blocks.ref + b, left, mask=m)
         to_stack = (m & (left == 0) & ~cached).to(tl.int32)
         to_lru = (m & (left == 0) & cached).to(tl.int32)
         tl.store(free_blocks_ptr + top + tl.cumsum(to_stack, 0) - to_stack, b, mask=to_stack != 0)

@@ -81,10 +81,12 @@ def _queue(queue_ptr, counters_ptr, r, kind):
 
 
 @triton.jit
-def _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl.constexpr):
+def _after_pass(r, status, first, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl.constexpr):
     """Row r's pass is decided with `status`: queue its test (2), its next race (1) while it has had
-    fewer than ROUNDS, or count it settled (done, or left to `finish`)."""
-    races = tl.load(races_ptr + r)
+    fewer than ROUNDS, or count it settled (done, or left to `finish`). `first`: the pass was the
+    row's first race, whose count of 1 one thread has just stored (a warp ahead could still load the
+    last step's), so it is not read back."""
+    races = tl.where(first, 1, tl.load(races_ptr + r))
     # Every thread branches on its own load of races[r]; one thread writes it below. Without the
     # barrier a warp that loads late could read the new count, take the other branch and never meet
     # the barriers of the atomics in this one.
@@ -160,7 +162,7 @@ def _pass_chunks(
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
                 PRECISE=PRECISE,
             )  # fmt: skip
-        _after_pass(r, status, queue_ptr, counters_ptr, races_ptr, ROUNDS)
+        _after_pass(r, status, kind == FIRST_RACE, queue_ptr, counters_ptr, races_ptr, ROUNDS)
 
 
 @triton.jit
