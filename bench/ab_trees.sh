@@ -3,5 +3,4 @@
 # unpacked in /tmp/base, and `install DIR` to put either tree in place in turn.
 source bench/device_tree.sh
 here=$PWD
-install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) || echo "install of $1 failed"; }
 rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .whl/base.tar.gz -C /tmp/base

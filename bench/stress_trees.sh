@@ -8,7 +8,6 @@ set -uo pipefail
 out=${1:?OUT_DIR}; budget=${2:?BUDGET_S}; repeat=${3:?REPEAT}; shift 3
 source bench/device_tree.sh
 here=$PWD
-install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) || echo "install of $1 failed"; }
 run_tree() {  # name dir
   install "$2"
   for i in $(seq 1 "$repeat"); do
