@@ -160,6 +160,35 @@ def test_decode_step_with_silu_in_the_down_gemm_matches_reference():
         assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
+def test_one_token_bucket_fuses_rope_and_matches_reference():
+    """Batch 1's own attention plan (RoPE and the cache write in the attention, keys split 16 ways,
+    split-K QKV partials summed as q and k are read): decodes in the 1-token bucket after a 40-token
+    prompt, across a block boundary and into a second split, each reading the keys the one before
+    wrote; the cache must hold what the reference writes."""
+    ckpt = load_checkpoint("dummy:tiny", seed=3)
+    cfg = ckpt.config
+    ref_model = build_model(ckpt, torch.float32, DEVICE)
+    ref_kv, kv = _fresh_kv(cfg, torch.float32, DEVICE), _fresh_kv(cfg, torch.float32, DEVICE)
+    fwd = GpuForward(
+        cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
+        max_tokens=40, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
+    )  # fmt: skip
+    plan = fwd.attention_plan(1, cfg)
+    assert plan.fused_rope and plan.splits > 1 and fwd._gemms(1).qkv.split_k > 1
+    seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
+    prompt = (40, [(0, [(7 * j) % 300 for j in range(40)])])
+    for bucket, chunks in [prompt] + [(1, [(0, [t])]) for t in (41, 42, 43, 44)]:
+        batch = seqs.batch(chunks)
+        want = ref_model(_to(batch, DEVICE), ref_kv)
+        _poison(fwd)
+        fwd.load_batch(batch, bucket)
+        got = fwd.step(bucket)[:1]
+        assert ((got - want).norm() / want.norm()).item() < 1e-4, f"bucket {bucket}"
+    for name in ("k", "v"):  # both start as zeros: the whole cache, unwritten slots included
+        a, b = getattr(kv, name), getattr(ref_kv, name)
+        assert ((a - b).norm() / b.norm()).item() < 1e-5, f"{name} cache differs"
+
+
 def test_load_batch_refuses_what_does_not_fit():
     ckpt = load_checkpoint("dummy:tiny")
     cfg = ckpt.config
