@@ -36,8 +36,10 @@ from tests.test_gpu_forward import STEPS, _to  # noqa: E402
 
 GPUS = torch.cuda.device_count()
 BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS, MAX_SEQS, BUCKET = 4, 64, 12, 6, 32
-# The steps of test_gpu_forward, then a decode-only one in the 8-token bucket (fp32 split-K partials).
+# The steps of test_gpu_forward, then a decode-only one in the 8-token bucket (fp32 split-K partials),
+# then batch 1 in the 1-token bucket (its own attention plan: RoPE fused, keys split).
 DECODE = [(s, [40 + s]) for s in range(5)]
+SOLO = [(2, [77])]
 
 
 def _kv(config, device):
@@ -56,7 +58,10 @@ def _rank_forward(config, weights, rank, device):
 
 def _batches():
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
-    return [(seqs.batch(chunks), BUCKET) for chunks in STEPS] + [(seqs.batch(DECODE), 8)]
+    return [(seqs.batch(chunks), BUCKET) for chunks in STEPS] + [
+        (seqs.batch(DECODE), 8),
+        (seqs.batch(SOLO), 1),
+    ]
 
 
 def _run(fwd, batches):
@@ -131,7 +136,7 @@ def test_two_gpus_match_one():
     ranks = [_rank_forward(cfg, weights, r, f"cuda:{r}") for r in (0, 1)]
     connect(*ranks)
     batches = _batches()
-    for bucket in (8, BUCKET):
+    for bucket in (1, 8, BUCKET):
         warm_alone(ranks, lambda fwd, T=bucket: fwd.step(T))
     want = _reference(ckpt, batches)
     for k, (batch, bucket) in enumerate(batches):
