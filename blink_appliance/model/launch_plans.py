@@ -45,9 +45,10 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     (bench/results/2026-11-27-h100-b1-launch-plans.md).
     One token (batch 1) fuses RoPE after all, in 4-warp programs over 32-key tiles: on the H200 the
     1B step took 0.812 -> 0.806 ms at 256 keys and 0.945 -> 0.896 at 4096; 1-warp programs were the
-    slow part of the earlier fused tries (bench/results/2026-11-29-h200-b1-fused-rope.md).
+    slow part of the earlier fused tries (bench/results/2026-11-29-h200-b1-fused-rope.md). Models
+    with q/k norms keep the RoPE kernel, so they keep the 1-warp shape measured with it.
     """
-    if num_tokens == 1:
+    if num_tokens == 1 and not (config is not None and config.qk_norm):
         return AttentionConfig(block_q=4, block_n=32, splits=16, num_warps=4, num_stages=3, fused_rope=True)
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
