@@ -48,7 +48,7 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     slow part of the earlier fused tries (bench/results/2026-11-29-h200-b1-fused-rope.md). Models
     with q/k norms keep the RoPE kernel, so they keep the 1-warp shape measured with it.
     """
-    if num_tokens == 1 and not (config is not None and config.qk_norm):
+    if num_tokens == 1 and (config is None or not config.qk_norm):
         return AttentionConfig(block_q=4, block_n=32, splits=16, num_warps=4, num_stages=3, fused_rope=True)
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
