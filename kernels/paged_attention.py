@@ -325,8 +325,11 @@ class FusedRope:
 
 
 def attention_grid(num_tokens: int, max_seqs: int, block_q: int, num_kv_heads: int) -> tuple[int, int]:
-    """Programs for a fixed (T, max_seqs): enough for any split of T tokens over max_seqs sequences."""
-    return (triton.cdiv(num_tokens, block_q) + min(num_tokens, max_seqs) + 1, num_kv_heads)
+    """Programs for a fixed (T, max_seqs): enough for any split of T tokens over max_seqs sequences.
+    The last run (a sequence or the padding tail) ends at T, so its last program is at most
+    cdiv(T, block_q) - 1 plus the runs before it, and at most min(T, max_seqs + 1) runs are non-empty;
+    at T = 1 that is one program, where idle ones would each still read the run table."""
+    return (triton.cdiv(num_tokens, block_q) + min(num_tokens, max_seqs + 1) - 1, num_kv_heads)
 
 
 def paged_attention(

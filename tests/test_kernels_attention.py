@@ -8,6 +8,7 @@ same cases run compiled at real head sizes.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.kernels.paged_attention import FusedRope, paged_attention  # noqa: E402
+from blink_appliance.kernels.paged_attention import FusedRope, attention_grid, paged_attention  # noqa: E402
 from blink_appliance.kernels.rope import rope_and_cache_write, rope_tables  # noqa: E402
 
 from blink_appliance.model.config import ModelConfig  # noqa: E402
@@ -88,6 +89,8 @@ CPU_CASES = [
     ([(0, 0), (3, 2)], 4, 5, 16, 8, 1, 16),  # an empty sequence before a real one; MQA
     # idle sequence slots (cached keys, no tokens this step) between active ones; max_seqs > T
     ([(3, 1), (5, 0), (0, 0), (7, 2), (9, 0), (1, 1)], 10, 6, 4, 4, 2, 16),
+    ([(0, 0), (6, 1)], 3, 1, 4, 4, 2, 16),  # batch 1: a grid of one program per KV head and split
+    ([(6, 1), (2, 1)], 2, 3, 4, 4, 2, 16),  # every sequence and the padding tail: the most runs a grid holds
 ]
 GPU_CASES = [
     ([(0, 37), (100, 1), (511, 1), (7, 65), (0, 1)], 8, 128, 16, 32, 8, 64),
@@ -134,6 +137,29 @@ def test_paged_attention_matches_reference(case, dtype, num_splits, block_n):
     # Per-row check too: a single wrong row must not hide in the global norm.
     row_err = (got[:n_real] - ref[:n_real]).abs().amax(dim=1) / ref[:n_real].abs().amax(dim=1)
     assert row_err.max() < (5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def _programs_needed(run_lens: tuple[int, ...], num_tokens: int, block_q: int) -> int:
+    """The kernel's numbering: a non-empty run (a sequence, then the padding tail) starts at
+    query_start // block_q plus the non-empty runs before it, and takes one program per query block."""
+    start = rank = needed = 0
+    for n in (*run_lens, num_tokens - sum(run_lens)):
+        if n:
+            needed = max(needed, start // block_q + rank + -(-n // block_q))
+            rank += 1
+        start += n
+    return needed
+
+
+@pytest.mark.parametrize("block_q", [1, 2, 4, 8])
+def test_attention_grid_is_the_most_any_layout_needs(block_q):
+    """Every split of T tokens over max_seqs sequences (empty ones too) and the padding tail gets a
+    program for each of its query blocks, and the worst layout uses them all: no idle programs."""
+    for T in range(1, 11):
+        for S in range(1, 5):
+            layouts = (c for c in itertools.product(range(T + 1), repeat=S) if sum(c) <= T)
+            worst = max(_programs_needed(c, T, block_q) for c in layouts)
+            assert attention_grid(T, S, block_q, 1) == (worst, 1), (T, S)
 
 
 def test_paged_attention_rejects_bad_shapes():
