@@ -160,11 +160,24 @@ def test_decode_step_with_silu_in_the_down_gemm_matches_reference():
         assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
-def test_one_token_bucket_fuses_rope_and_matches_reference():
-    """Batch 1's own attention plan (RoPE and the cache write in the attention, keys split 16 ways,
-    split-K QKV partials summed as q and k are read): decodes in the 1-token bucket after a 40-token
-    prompt, across a block boundary and into a second split, each reading the keys the one before
-    wrote; the cache must hold what the reference writes."""
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # batch 1: decodes in the 1-token bucket after a 40-token prompt, across a block boundary
+        # and into a second split
+        [(40, [(0, [(7 * j) % 300 for j in range(40)])])] + [(1, [(0, [t])]) for t in (41, 42, 43, 44)],
+        # the 4-token bucket: two sequences' decodes (half the rows padding), then a 2-token chunk
+        # beside a decode
+        [(40, [(0, [(5 * j) % 300 for j in range(17)]), (1, [(3 * j) % 290 for j in range(20)])])]
+        + [(4, [(0, [50 + t]), (1, [60 + t])]) for t in range(3)]
+        + [(4, [(0, [70, 71]), (1, [72])])],
+    ],
+    ids=["bucket1", "bucket4"],
+)
+def test_small_buckets_fuse_rope_and_match_reference(steps):
+    """The 1- to 4-token buckets' attention plan (RoPE and the cache write in the attention, keys
+    split 16 ways, split-K QKV partials summed as q and k are read): each step reads the keys the one
+    before wrote; the cache must hold what the reference writes."""
     ckpt = load_checkpoint("dummy:tiny", seed=3)
     cfg = ckpt.config
     ref_model = build_model(ckpt, torch.float32, DEVICE)
@@ -173,16 +186,16 @@ def test_one_token_bucket_fuses_rope_and_matches_reference():
         cfg, GpuWeights.from_hf(cfg, ckpt.weights, torch.float32, DEVICE), kv,
         max_tokens=40, max_seqs=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS,
     )  # fmt: skip
-    plan = fwd.attention_plan(1, cfg)
-    assert plan.fused_rope and plan.splits > 1 and fwd._gemms(1).qkv.split_k > 1
+    small = steps[-1][0]
+    plan = fwd.attention_plan(small, cfg)
+    assert plan.fused_rope and plan.splits > 1 and fwd._gemms(small).qkv.split_k > 1
     seqs = PagedSequences(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS, seed=11)
-    prompt = (40, [(0, [(7 * j) % 300 for j in range(40)])])
-    for bucket, chunks in [prompt] + [(1, [(0, [t])]) for t in (41, 42, 43, 44)]:
+    for bucket, chunks in steps:
         batch = seqs.batch(chunks)
         want = ref_model(_to(batch, DEVICE), ref_kv)
         _poison(fwd)
         fwd.load_batch(batch, bucket)
-        got = fwd.step(bucket)[:1]
+        got = fwd.step(bucket)[: len(chunks)]
         assert ((got - want).norm() / want.norm()).item() < 1e-4, f"bucket {bucket}"
     for name in ("k", "v"):  # both start as zeros: the whole cache, unwritten slots included
         a, b = getattr(kv, name), getattr(ref_kv, name)

@@ -54,13 +54,17 @@ def test_decode_buckets_write_the_activation_from_the_gate_up_gemm(model, rows):
         assert plan.gate_up.block_n == rows and plan.gate_up.split_k == 1
 
 
-def test_batch_one_fuses_rope_unless_the_model_norms_q_and_k():
-    """The 1-token bucket's shape (4 warps, 32-key tiles) was measured fused; Qwen3's q/k norms keep
-    the RoPE kernel (gpu_forward), so Qwen3 keeps the shape measured with that kernel."""
+def test_buckets_up_to_four_fuse_rope_unless_the_model_norms_q_and_k():
+    """The 1- to 4-token buckets' shape (4 warps, 32-key tiles) was measured fused, and at 8 tokens
+    it lost; Qwen3's q/k norms keep the RoPE kernel (gpu_forward), so Qwen3 keeps the shape measured
+    with that kernel."""
     for model in ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m"):
-        plan = attention_config(1, preset_config(model))
-        assert plan.fused_rope and plan.num_warps == 4 and plan.block_n == 32
+        for bucket in (1, 2, 4):
+            plan = attention_config(bucket, preset_config(model))
+            assert plan.fused_rope and plan.num_warps == 4 and plan.block_n == 32
+        assert not attention_config(8, preset_config(model)).fused_rope
     assert attention_config(1) == attention_config(1, preset_config("llama-3.2-1b"))
     qwen3 = preset_config("qwen3-0.6b")
-    assert attention_config(1, qwen3) == attention_config(8, qwen3)
+    for bucket in (1, 2, 4):
+        assert attention_config(bucket, qwen3) == attention_config(8, qwen3)
     assert not attention_config(1, qwen3).fused_rope

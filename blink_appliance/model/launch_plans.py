@@ -43,12 +43,15 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     floor of 64 keys a split (the first splits take a short context, the rest end at once) gave
     nothing (5.595): the idle programs cost what working ones do
     (bench/results/2026-11-27-h100-b1-launch-plans.md).
-    One token (batch 1) fuses RoPE after all, in 4-warp programs over 32-key tiles: on the H200 the
-    1B step took 0.812 -> 0.806 ms at 256 keys and 0.945 -> 0.896 at 4096; 1-warp programs were the
-    slow part of the earlier fused tries (bench/results/2026-11-29-h200-b1-fused-rope.md). Models
-    with q/k norms keep the RoPE kernel, so they keep the 1-warp shape measured with it.
+    Up to 4 tokens the attention fuses RoPE after all, in 4-warp programs over 32-key tiles: on the
+    H200 the 1B step took 0.812 -> 0.806 ms at 256 keys and 0.945 -> 0.896 at 4096 in the 1-token
+    bucket, 0.814 -> 0.806 and 0.956 -> 0.897 in the 2-token one, 0.827 -> 0.817 and 0.988 -> 0.955 in
+    the 4-token one; 1-warp programs were the slow part of the earlier fused tries. At 8 tokens it
+    ties at 256 keys and loses at 4096 (1.109 -> 1.194) (bench/results/2026-11-29-h200-b1-fused-rope.md,
+    2026-11-29-h200-small-bucket-attention.md). Models with q/k norms keep the RoPE kernel, so they
+    keep the 1-warp shape measured with it.
     """
-    if num_tokens == 1 and (config is None or not config.qk_norm):
+    if num_tokens <= 4 and (config is None or not config.qk_norm):
         return AttentionConfig(block_q=4, block_n=32, splits=16, num_warps=4, num_stages=3, fused_rope=True)
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
