@@ -37,8 +37,8 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and
     32 tokens it measured slower (1-warp programs need more registers for it) or a tie, so those
     keep the RoPE kernel.
-    `config` is not read yet: every model takes these shapes. Up to 8 tokens the keys split 16 ways
-    for every head width. For 128-wide heads (8B, batch 1) 4
+    `config` only says whether the model norms q and k (below); the shapes are the same for every
+    model. Up to 8 tokens the keys split 16 ways for every head width. For 128-wide heads (8B, batch 1) 4
     splits are faster at 256 keys (5.587 -> 5.530 ms) but far slower at 4096 (6.040 -> 6.818), and a
     floor of 64 keys a split (the first splits take a short context, the rest end at once) gave
     nothing (5.595): the idle programs cost what working ones do
