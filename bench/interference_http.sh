@@ -14,15 +14,17 @@ sweep() {  # $1: name; the rest: a command prefix (taskset)
     --cases b1-greedy b64-greedy --requests-per-case 3 --budget-s 160 2>&1 \
     | grep -v -i warn | grep "^| 8192" | sed "s/^/$name /"
 }
-load() {  # $@: extra bench interfere arguments; runs in the background until killed
+load() {  # $1: spinners; the rest: more bench interfere arguments. Prints the pid of the load, which runs
+  # in the background until unload (its workers end with it).
   python3 -m blink_appliance.cli bench interfere --spin "$1" --memory 2 --syscall 2 --duration 300 "${@:2}" > "$out/interfere-$1.log" 2>&1 &
   echo $!
 }
+unload() { kill -INT "$1"; sleep 3; kill -KILL "$1" 2>/dev/null; }
 sweep isolated
 pid=$(load "$cores")
 sweep unpinned; uptime
-kill -INT "$pid"; sleep 3; kill -KILL "$pid" 2>/dev/null
+unload "$pid"
 pid=$(load $((cores - 4)) --cpus "4-$((cores - 1))")
 sweep pinned taskset -c 0-3; uptime
-kill -INT "$pid"; sleep 3; kill -KILL "$pid" 2>/dev/null
+unload "$pid"
 uptime
