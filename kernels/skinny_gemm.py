@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 256  # every row sits in one token tile (BLOCK_T), so the weights are read once
+# So weights are loaded evict-first: a step streams gigabytes of them through L2 once, and marked
+# first to go they leave the loop's small kernels their code and state there.
 
 
 @triton.jit
@@ -77,16 +79,20 @@ def _skinny_gemm_kernel(
         x_off = x_ptr + t[None, :] * x_stride + k[:, None]
         if EVEN:  # N and the K slices are whole tiles: unmasked weight loads
             x_mask = t[None, :] < M
-            w = tl.load(w_rows + k[None, :] * w_stride_k)
+            w = tl.load(w_rows + k[None, :] * w_stride_k, eviction_policy="evict_first")
             if GATED:
-                w_up = tl.load(up_rows + k[None, :] * w_stride_k)
+                w_up = tl.load(up_rows + k[None, :] * w_stride_k, eviction_policy="evict_first")
         else:
             k_in = k < k_hi
             x_mask = (t[None, :] < M) & k_in[:, None]
             w_mask = (n[:, None] < N) & k_in[None, :]
-            w = tl.load(w_rows + k[None, :] * w_stride_k, mask=w_mask, other=0.0)
+            w = tl.load(
+                w_rows + k[None, :] * w_stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first"
+            )
             if GATED:
-                w_up = tl.load(up_rows + k[None, :] * w_stride_k, mask=w_mask, other=0.0)
+                w_up = tl.load(
+                    up_rows + k[None, :] * w_stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first"
+                )
         x = tl.load(x_off, mask=x_mask, other=0.0)
         if SILU_GATE:
             up = tl.load(x_off + K, mask=x_mask, other=0.0)

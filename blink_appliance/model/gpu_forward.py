@@ -38,6 +38,7 @@ from blink_appliance.model.gpu_weights import GpuWeights
 from blink_appliance.model.kv_cache import ForwardBatch, PagedKVCache
 from blink_appliance.model.launch_plans import (
     CUBLAS_GEMMS,
+    LM_HEAD_TRITON_ROWS,
     AttentionConfig,
     DecodeGemms,
     GemmLaunch,
@@ -330,7 +331,11 @@ class GpuForward:
         """fp32 logits of the normed rows `final` into `out` (through `low` where cuBLAS cannot
         write fp32 itself)."""
         lm_head = self.weights.lm_head
-        if self.lm_head_fp32_out:
+        fp32_out = self.lm_head_fp32_out or self.dtype == torch.float32
+        if fp32_out and final.shape[0] <= LM_HEAD_TRITON_ROWS:
+            # As fast as cuBLAS at these rows, and its weights go through L2 evict-first (skinny_gemm).
+            skinny_gemm(final, lm_head, out, block_n=128, block_k=128, pdl=self.pdl)
+        elif self.lm_head_fp32_out:
             torch.mm(final, lm_head.t(), out_dtype=torch.float32, out=out)
         elif low is None:
             torch.mm(final, lm_head.t(), out=out)
