@@ -1,20 +1,21 @@
 """Triton kernels of the device sampler's rejection variant (engine/loop/sampler.py `rejection`): the
-exponential race over a row's kept tokens without sorting it, for rows with top-p, min-p and
-temperature but no top-k.
+exponential race over a row's kept tokens without sorting it, for rows with top-p or top-k (not both:
+the reference's nucleus is then normalised over the top-k survivors), min-p and temperature.
 
 The kept set of such a row is a prefix of the row in (value descending, index ascending) order, so
 the race winner over the kept set is found by racing over a *region* that holds it:
 
 - race every token of the region (chunked over the vocabulary; `race_region`, whose last chunk of
   a row to finish picks the row's winner);
-- test the winner w: min-p (x_w >= max + log(min_p)) and top-p (the mass ranked before w is < top_p;
-  `mass_ahead`, whose last chunk of a row decides);
+- test the winner w: min-p (x_w >= max + log(min_p)), top-p (the mass ranked before w is < top_p)
+  and top-k (fewer than top_k tokens lie strictly above w); `_mass_chunk` counts both a chunk at a time, and
+  the last chunk of a row to finish decides;
 - if w is kept it is the answer, since the kept set lies inside the region; otherwise every kept
   token ranks before w, so the region shrinks to the tokens ranked before w and the race runs again.
 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
-bound_i), 2 top-p test of the candidate pending. This module has the chunk-level steps; one launch
+bound_i), 2 top-p / top-k test of the candidate pending. This module has the chunk-level steps; one launch
 runs them as a work queue (kernels/sampling_rounds.py), and `finish` then loops the rare rows still
 undecided, one program per row.
 """
@@ -88,6 +89,7 @@ class SampleRows:
     n_rows: torch.Tensor  # [1] int32: rows [0, n_rows) are the step's; the rest are not touched
     temperature: torch.Tensor  # [S] fp32: <= 0 is an argmax row
     top_p: torch.Tensor  # [S] fp32
+    top_k: torch.Tensor  # [S] int64: > 0 keeps that many tokens
     min_p: torch.Tensor  # [S] fp32
     seed: torch.Tensor  # [S] int64
     output_index: torch.Tensor  # [S] int64
@@ -170,7 +172,7 @@ def _argmax_kernel(
         )  # fmt: skip
         if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
             _pick_row(
-                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
+                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
                 logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,
                 logits_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False,
             )  # fmt: skip
@@ -183,11 +185,19 @@ def _min_p_floor(row_max, min_p, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _verdict(x_w, row_max, min_p, top_p, PRECISE: tl.constexpr):
+def _verdict(x_w, row_max, min_p, top_p, top_k, PRECISE: tl.constexpr):
     """After a race, the winner's next status: RACE again if min-p rejects it (the region shrinks
-    to the tokens ranked before it and, once the max is known, to min-p's), TEST if top-p still has
-    to test it, else DONE (kept)."""
-    return tl.where(x_w < _min_p_floor(row_max, min_p, PRECISE), 1, tl.where(top_p < 1.0, 2, 0))
+    to the tokens ranked before it and, once the max is known, to min-p's), TEST if top-p or top-k
+    still has to test it, else DONE (kept)."""
+    test = (top_p < 1.0) | (top_k > 0)
+    return tl.where(x_w < _min_p_floor(row_max, min_p, PRECISE), 1, tl.where(test, 2, 0))
+
+
+@triton.jit
+def _kept_by_test(mass, count, top_p, top_k):
+    """The candidate passes the test: the mass ranked before it is < top_p (1 keeps all), and fewer
+    than top_k tokens lie strictly above it (0 keeps all), so it is at or above the k-th largest."""
+    return ((top_p >= 1.0) | (mass < top_p)) & ((top_k <= 0) | (count < top_k))
 
 
 @triton.jit
@@ -204,7 +214,7 @@ def _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, boun
 
 @triton.jit
 def _pick_row(
-    r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+    r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
     bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
     part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -239,18 +249,21 @@ def _pick_row(
             row_max = tl.load(row_max_ptr + r)
         if tl.max(scores, 0) > float("-inf"):  # an empty region (NaN logits) keeps the winner
             x_w = scaled(tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), t, PRECISE)
-            status = _verdict(x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), PRECISE)
+            status = _verdict(
+                x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), tl.load(top_k_ptr + r), PRECISE
+            )
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
 
 
 @triton.jit
 def _mass_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, V, n_chunks,
-    CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, part_count_ptr, V,
+    n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c of row r under the top-p test: the probability mass ranked before the candidate
-    (MASS_PRECISION). The rank is by x / t, exactly rounded; the logits themselves rank the same
+    """Chunk c of row r under the test: the probability mass ranked before the candidate
+    (MASS_PRECISION; meaningful for top-p rows only, whose first pick set row_lse) and how many tokens
+    lie strictly above it (top-k keeps every token at or above the k-th largest, ties included). The rank is by x / t, exactly rounded; the logits themselves rank the same
     except where rounding ties two of them, which only a logit within 2^-20 of the candidate's can."""
     row = logits_ptr + tl.cast(r, tl.int64) * stride
     t = tl.load(temperature_ptr + r)
@@ -263,34 +276,41 @@ def _mass_chunk(
     close = inb & (raw != raw_w) & (tl.abs(raw - raw_w) <= TIE_BAND * tl.abs(raw_w))
     if (tl.max(close.to(tl.int32), 0) > 0) | ~(tl.abs(raw_w) < float("inf")):
         x = scaled(raw, t, PRECISE)
-        ahead = inb & _ahead(x, idx, scaled(raw_w, t, PRECISE), w)
+        x_w = scaled(raw_w, t, PRECISE)
+        ahead = inb & _ahead(x, idx, x_w, w)
+        above = inb & (x > x_w)
     else:
         ahead = inb & _ahead(raw, idx, raw_w, w)
+        above = inb & (raw > raw_w)
     q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
     tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
+    tl.store(part_count_ptr + r * n_chunks + c, tl.sum(above.to(tl.int32), 0).to(tl.int64))
 
 
 @triton.jit
 def _decide_row(
-    r, logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
-    candidate_ptr, part_mass_ptr, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+    r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+    bound_i_ptr, candidate_ptr, part_mass_ptr, part_count_ptr, n_chunks, BLOCK_C: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Row r under the top-p test: keep the candidate if the mass before it is < top_p (status 0),
-    else shrink the region to the tokens ranked before it (status 1); returns the status."""
+    """Row r under the test: keep the candidate if it passes top-p and top-k (status 0), else shrink
+    the region to the tokens ranked before it (status 1); returns the status."""
     offs = tl.arange(0, BLOCK_C)
     part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
+    count = tl.load(part_count_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0, cache_modifier=".cg")
     w = tl.load(candidate_ptr + r)
     x_w = scaled(
         tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
     )
-    status = tl.where(tl.sum(part, 0) < tl.load(top_p_ptr + r), 0, 1)
+    kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), tl.load(top_p_ptr + r), tl.load(top_k_ptr + r))
+    status = tl.where(kept, 0, 1)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
 
 
 @triton.jit
 def _finish_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, V,
     BLOCK: tl.constexpr, CAP: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
@@ -302,6 +322,7 @@ def _finish_kernel(
         row = logits_ptr + tl.cast(r, tl.int64) * stride
         t = tl.load(temperature_ptr + r)
         top_p = tl.load(top_p_ptr + r)
+        top_k = tl.load(top_k_ptr + r)
         min_p = tl.load(min_p_ptr + r)
         row_max = tl.load(row_max_ptr + r)
         floor = _min_p_floor(row_max, min_p, PRECISE)
@@ -328,18 +349,22 @@ def _finish_kernel(
                     w = tl.where(better, start + tl.argmax(score, 0).to(tl.int64), w)
                     best = tl.maximum(best, chunk_best)
                 x_w = scaled(tl.load(row + w), t, PRECISE)
-                status = tl.where(best == float("-inf"), 0, _verdict(x_w, row_max, min_p, top_p, PRECISE))
+                status = tl.where(
+                    best == float("-inf"), 0, _verdict(x_w, row_max, min_p, top_p, top_k, PRECISE)
+                )
                 bx = tl.where(status == 1, x_w, bx)
                 bi = tl.where(status == 1, w, bi)
             else:
                 x_w = scaled(tl.load(row + w), t, PRECISE)
                 mass = tl.zeros([BLOCK], tl.float32)
+                count = tl.zeros([BLOCK], tl.int32)
                 for start in range(0, V, BLOCK):
                     idx = start + offs
                     inb = idx < V
                     x = scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
                     mass += tl.where(inb & _ahead(x, idx, x_w, w), _exp(x - lse, PRECISE), 0.0)
-                status = tl.where(tl.sum(mass, 0) < top_p, 0, 1)
+                    count += (inb & (x > x_w)).to(tl.int32)
+                status = tl.where(_kept_by_test(tl.sum(mass, 0), tl.sum(count, 0), top_p, top_k), 0, 1)
                 bx = tl.where(status == 1, x_w, bx)
                 bi = tl.where(status == 1, w, bi)
             iters += 1

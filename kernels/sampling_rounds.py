@@ -114,20 +114,20 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _pass_chunks(
-    r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+    r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr,
+    out_index_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
     PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
-    and queues what follows. A test's partial masses reuse part_sum: the row's first pick folded its
-    sums into row_lse."""
+    and queues what follows. A test's partial masses reuse part_sum (the row's first pick folded its
+    sums into row_lse) and its counts part_index (the race's pick has read it)."""
     for c in range(start, stop):
         if kind == TEST:
             _mass_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_sum_ptr, V,
-                n_chunks, CHUNK, PRECISE,
+                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_sum_ptr,
+                part_index_ptr, V, n_chunks, CHUNK, PRECISE,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             _race_chunk(
@@ -144,20 +144,20 @@ def _pass_chunks(
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
         if kind == TEST:
             status = _decide_row(
-                r, logits_ptr, stride, temperature_ptr, top_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-                bound_i_ptr, candidate_ptr, part_sum_ptr, n_chunks, BLOCK_C, PRECISE,
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, part_sum_ptr, part_index_ptr, n_chunks, BLOCK_C, PRECISE,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             tl.store(races_ptr + r, 1)
             status = _pick_row(
-                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
                 PRECISE=PRECISE,
             )  # fmt: skip
         else:
             status = _pick_row(
-                r, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, sampled_ptr, status_ptr,
+                r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
                 PRECISE=PRECISE,
@@ -167,7 +167,7 @@ def _pass_chunks(
 
 @triton.jit
 def _rounds_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
@@ -187,7 +187,7 @@ def _rounds_kernel(
             start = (ticket % groups) * GROUP
             _pass_chunks(
                 payload // 4, start, tl.minimum(start + GROUP, n_chunks), payload % 4, logits_ptr, stride,
-                temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
+                temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V,
                 n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE,
@@ -210,7 +210,7 @@ def race_and_test(
     finish_block: int = 2048,
 ) -> None:
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
-    races per row (each followed by its top-p test) in one launch, then `finish` for any row still
+    races per row (each followed by its top-p / top-k test) in one launch, then `finish` for any row still
     undecided. `max_registers` caps the queue kernel's registers per thread (more programs per SM).
     Capturable: no host sync."""
     S, V = logits.shape
@@ -228,7 +228,7 @@ def race_and_test(
         sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
         programs = min(programs, sms * (REGISTERS_PER_SM // (max_registers * 32 * NUM_WARPS)))
     _rounds_kernel[(_persistent(S * C, programs),)](
-        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
+        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
         state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
         state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
@@ -236,7 +236,7 @@ def race_and_test(
         SLEEP=logits.is_cuda, num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
-        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.min_p, rows.seed,
+        logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
         state.row_max, state.row_lse, V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP,
         PRECISE=precise, num_warps=8,

@@ -292,7 +292,9 @@ def write_sample_rows(samples, row, slot, logits_row, slots, step):
     )
     tl.store(step.row_output_index + row, generated.to(tl.int64), mask=samples)
     random = samples & (temperature > 0.0)
-    need = tl.where(random, tl.where(top_k > 0, _SAMPLER_FULL, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
+    # Top-k with top-p takes the sorting variant: the nucleus is normalised over the top-k survivors.
+    both = (top_k > 0) & (tl.load(slots.top_p + slot, mask=samples, other=1.0) < 1.0)
+    need = tl.where(random, tl.where(both, _SAMPLER_FULL, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
     logprobs = samples & (tl.load(slots.lp_top_n + slot, mask=samples, other=-1) >= 0)
     # The penalties' variants also mask constrained rows (engine/loop/constraint.py).
     penalized = samples & (

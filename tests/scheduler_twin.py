@@ -294,7 +294,11 @@ class Twin:
             assert int(s.row_seed[row]) == want_seed
             assert int(s.row_output_index[row]) == output_index
         need = [
-            SAMPLER_GREEDY if p.temperature == 0 else SAMPLER_FULL if p.top_k > 0 else SAMPLER_REJECTION
+            SAMPLER_GREEDY
+            if p.temperature == 0
+            else SAMPLER_FULL
+            if p.top_k > 0 and p.top_p < 1.0
+            else SAMPLER_REJECTION
             for _, p, _, _ in ref.sampling
         ]
         logprobs = any(p.logprobs is not None for _, p, _, _ in ref.sampling)

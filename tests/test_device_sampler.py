@@ -57,7 +57,8 @@ def reference(logits: torch.Tensor, params: list[SamplingParams], output_index: 
 def variant_for(params: list[SamplingParams]) -> int:
     """The variant schedule picks for these rows (kernels/schedule_batch.py)."""
     need = [
-        SAMPLER_GREEDY if p.greedy else SAMPLER_FULL if p.top_k > 0 else SAMPLER_REJECTION for p in params
+        SAMPLER_GREEDY if p.greedy else SAMPLER_FULL if p.top_k > 0 and p.top_p < 1.0 else SAMPLER_REJECTION
+        for p in params
     ]
     return max(need)
 
@@ -283,6 +284,28 @@ def test_rejection_variant_equals_reference_without_top_k(vocab, chunk, rounds):
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
 
 
+@pytest.mark.parametrize("rounds", [1, 3])
+@pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 128)])
+def test_rejection_variant_equals_reference_with_top_k_alone(vocab, chunk, rounds):
+    """Rows with top-k but no top-p (with temperature and min-p) take the rejection variant: a winner
+    is kept when fewer than top_k tokens lie strictly above it, so ties at the k-th value are all kept,
+    as the reference keeps them. Flat rows make the first winners miss small top-k sets, so races
+    repeat and rows reach the finisher; rows of equal logits tie across the threshold."""
+    gen = torch.Generator().manual_seed(vocab + 10 * rounds)
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::4] *= 0.02
+    logits[1::6] = torch.randint(0, 4, (vocab,), generator=gen).float()  # few distinct values: ties
+    params = [dataclasses.replace(p, top_p=1.0) for p in random_params(gen, rows, vocab)]
+    params[0] = SamplingParams(temperature=1.0, top_k=3, seed=9)
+    assert any(p.top_k > 0 and not p.greedy for p in params)
+    assert variant_for(params) == SAMPLER_REJECTION
+    index = torch.randint(0, 500, (rows,), generator=gen).tolist()
+    got = run_device(logits, params, index, SAMPLER_REJECTION, rejection_chunk=chunk, rejection_rounds=rounds)
+    want = reference(logits, params, index)
+    assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
+
+
 def test_rejection_queue_is_reset_for_the_next_step():
     """The rounds run as one launch over a work queue (kernels/sampling_rounds.py); its last program
     out resets the queue, so the next step's rows (other output indices, fewer rows) are sampled
@@ -311,7 +334,7 @@ from blink_appliance.kernels.sampling_rounds import _rounds_kernel
 from tests.sm90_ptx import ptx_for_sm90
 f32, i32, i64 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.int32, torch.int64))
 pointers = dict(
-    logits=f32, n_rows=i32, temperature=f32, top_p=f32, min_p=f32, seed=i64, out_index=i64, sampled=i64,
+    logits=f32, n_rows=i32, temperature=f32, top_p=f32, top_k=i64, min_p=f32, seed=i64, out_index=i64, sampled=i64,
     status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, part_score=f32,
     part_index=i64, part_max=f32, part_sum=f32, arrived=i32, races=i32, queue=i32, counters=i32,
 )

@@ -2,9 +2,9 @@
 
 Three capturable variants, chosen by state.sampler_index (a SWITCH in the loop's graph; host mode
 reads it; schedule picks the cheapest that serves every row, kernels/sampling.py SAMPLER_*):
-`greedy` (argmax of every row), `rejection` (temperature, top-p, min-p: the exponential race with
-the counter-based RNG, without sorting; kernels/sampling_rejection.py) and `full` (the same and
-top-k). All read GpuForward.logits [S, V] fp32 (row r = sample row r) and the row_* tensors
+`greedy` (argmax of every row), `rejection` (temperature, top-p or top-k, min-p: the exponential
+race with the counter-based RNG, without sorting; kernels/sampling_rejection.py) and `full` (the same
+and top-k with top-p in one row). All read GpuForward.logits [S, V] fp32 (row r = sample row r) and the row_* tensors
 schedule wrote, and write state.sampled [S] int64. Static shapes, no host sync, no allocation that
 depends on data: they run inside a CUDA graph. `greedy` and `rejection` touch rows
 [0, state.num_sample_rows) only; `full` samples every row, rows with sample_slot < 0 greedily
@@ -205,12 +205,13 @@ class DeviceSampler:
         st.sampled.copy_(self._part_index.gather(1, best)[:, 0])
 
     def rejection(self) -> None:
-        """Rows without top-k: race the row, test the winner against min-p and top-p, and race again
-        before it while it is not kept (kernels/sampling_rejection.py). One pass of reading when the
-        first winner is kept, which a top-p row's is with probability >= top_p."""
+        """Rows without top-k and top-p together: race the row, test the winner against min-p, top-p
+        and top-k, and race again before it while it is not kept (kernels/sampling_rejection.py). One
+        pass of reading when the first winner is kept, which a top-p row's is with probability >= top_p;
+        a test pass more for a top-p or top-k row."""
         st = self.state
         rows = SampleRows(
-            n_rows=st.num_sample_rows, temperature=st.row_temperature, top_p=st.row_top_p,
+            n_rows=st.num_sample_rows, temperature=st.row_temperature, top_p=st.row_top_p, top_k=st.row_top_k,
             min_p=st.row_min_p, seed=st.row_seed, output_index=st.row_output_index,
         )  # fmt: skip
         race_and_test(
