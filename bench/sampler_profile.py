@@ -47,6 +47,7 @@ MIXES: dict[str, dict] = {
     "temperature 1.0": dict(temperature=1.0),
     "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "top_p 0.95, top_k 40": dict(temperature=0.8, top_p=0.95, top_k=40),
+    "top_k 50": dict(temperature=1.0, top_k=50),
     "top_k 1000": dict(temperature=0.8, top_k=1000),
     "min_p 0.05": dict(temperature=0.8, min_p=0.05),
 }
