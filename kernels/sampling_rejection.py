@@ -12,6 +12,8 @@ the race winner over the kept set is found by racing over a *region* that holds 
   the last chunk of a row to finish decides;
 - if w is kept it is the answer, since the kept set lies inside the region; otherwise every kept
   token ranks before w, so the region shrinks to the tokens ranked before w and the race runs again.
+  A top-k test also bins the tokens above w (`_cut_bin`), and the region shrinks further to the
+  highest bins that still hold top_k tokens: on flat logits a rejected winner alone only halves it.
 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
@@ -36,6 +38,7 @@ from blink_appliance.kernels.sampling import _exp, _log, best_score, gumbel, sca
 # scores and the ranks stay exact.
 TIE_BAND = tl.constexpr(2.0**-20)  # logits this close (relatively) may tie once divided by t
 FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
+CUT_BINS = tl.constexpr(32)  # a top-k test's bins between the rejected winner and the row's max
 MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
 QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS  # a row queues at most a test per race and a race per test
 QUEUE_COUNTERS = 4  # the queue's counters (kernels/sampling_rounds.py), each on a line of its own:
@@ -52,6 +55,8 @@ class RejectionRows:
     row_max: torch.Tensor  # [S] fp32: max of x
     row_lse: torch.Tensor  # [S] fp32: logsumexp of x (the nucleus's normaliser)
     candidate: torch.Tensor  # [S] int64: the winner under test
+    cut: torch.Tensor  # [S, 3] fp32: the region's top-k cut, _cut_bin(x, lo, scale) >= j; j = 0: none
+    part_hist: torch.Tensor  # [S, C, CUT_BINS] int32: a top-k test's bins of the tokens above w
     part_score: torch.Tensor  # [S, C] fp32
     part_index: torch.Tensor  # [S, C] int64
     part_max: torch.Tensor  # [S, C] fp32
@@ -73,7 +78,9 @@ class RejectionRows:
 
         return cls(
             status=torch.zeros(rows, dtype=torch.int32, device=device), bound_x=f32(rows), bound_i=i64(rows),
-            row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), part_score=f32(rows, chunks),
+            row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), cut=f32(rows, 3),
+            part_hist=torch.zeros(rows, chunks, CUT_BINS.value, dtype=torch.int32, device=device),
+            part_score=f32(rows, chunks),
             part_index=i64(rows, chunks), part_max=f32(rows, chunks), part_sum=f32(rows, chunks),
             arrived=torch.zeros(rows, dtype=torch.int32, device=device),
             races=torch.zeros(rows, dtype=torch.int32, device=device),
@@ -103,9 +110,24 @@ def _ahead(x, idx, bound_x, bound_i):
 
 
 @triton.jit
+def _cut_scale(row_max, x_w):
+    """Bins per unit of x above the rejected winner w. The test's histogram and the next races both
+    compute it here from the same values, so they agree bit for bit. A winner at the max (no gap) is
+    kept, so its bins are never read; the floor only keeps the division finite."""
+    return tl.full([], CUT_BINS, tl.float32) / tl.maximum(row_max - x_w, 1e-30)
+
+
+@triton.jit
+def _cut_bin(x, lo, scale):
+    """IEEE rounding is monotone, so this is non-decreasing in x: {x : _cut_bin(x) >= j} is every x
+    from some threshold up, and a cut that counts top_k tokens in it keeps the whole top-k set."""
+    return (x - lo) * scale
+
+
+@triton.jit
 def _race_chunk(
     r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
-    row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
+    row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
     CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of row r: the best race score in the row's region; the first round also writes the
@@ -122,7 +144,9 @@ def _race_chunk(
         row = logits_ptr + tl.cast(r, tl.int64) * stride
         seed = tl.load(seed_ptr + r)
         out_index = tl.load(out_index_ptr + r)
-        if FIRST:  # the whole row is the region
+        if FIRST:  # the whole row is the region, and no cut holds yet this step
+            if c == 0:
+                tl.store(cut_ptr + r * 3 + 2, 0.0)
             # IEEE division by t > 0 keeps order, so the max of x / t is the max of x, divided once.
             hi = scaled(tl.max(raw, 0), t, PRECISE)
             tl.store(part_max_ptr + out, hi)
@@ -135,6 +159,11 @@ def _race_chunk(
             region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
             floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
             region = region & (x >= floor)
+            cut_j = tl.load(cut_ptr + r * 3 + 2)
+            if cut_j > 0.0:
+                region = region & (
+                    _cut_bin(x, tl.load(cut_ptr + r * 3), tl.load(cut_ptr + r * 3 + 1)) >= cut_j
+                )
             best = tl.full([], float("-inf"), tl.float32)
             best_index = c * CHUNK
             if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
@@ -167,8 +196,8 @@ def _argmax_kernel(
         r = item // n_chunks
         _race_chunk(
             r, item % n_chunks, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr,
-            logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr, logits_ptr, V,
-            n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
+            logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr, logits_ptr,
+            V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
         )  # fmt: skip
         if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
             _pick_row(
@@ -258,13 +287,15 @@ def _pick_row(
 
 @triton.jit
 def _mass_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_mass_ptr, part_count_ptr, V,
-    n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+    r, c, logits_ptr, stride, temperature_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_mass_ptr,
+    part_count_ptr, part_hist_ptr, V, n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c of row r under the test: the probability mass ranked before the candidate
-    (MASS_PRECISION; meaningful for top-p rows only, whose first pick set row_lse) and how many tokens
-    lie strictly above it (top-k keeps every token at or above the k-th largest, ties included). The rank is by x / t, exactly rounded; the logits themselves rank the same
-    except where rounding ties two of them, which only a logit within 2^-20 of the candidate's can."""
+    """Chunk c of row r under the test: how many tokens lie strictly above the candidate (top-k keeps
+    every token at or above the k-th largest, ties included), and for a top-p row the probability mass
+    ranked before it (MASS_PRECISION; the row's first pick set row_lse), for a top-k row its tokens
+    above the candidate in CUT_BINS bins. The rank is by x / t, exactly rounded; the logits themselves
+    rank the same except where rounding ties two of them, which only a logit within 2^-20 of the
+    candidate's can."""
     row = logits_ptr + tl.cast(r, tl.int64) * stride
     t = tl.load(temperature_ptr + r)
     w = tl.load(candidate_ptr + r)
@@ -282,19 +313,29 @@ def _mass_chunk(
     else:
         ahead = inb & _ahead(raw, idx, raw_w, w)
         above = inb & (raw > raw_w)
-    q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
-    tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
+    if tl.load(top_k_ptr + r) > 0:  # top-k alone: a row with top-p too takes the full variant
+        x = scaled(raw, t, PRECISE)
+        x_w = scaled(raw_w, t, PRECISE)
+        v = _cut_bin(x, x_w, _cut_scale(tl.load(row_max_ptr + r), x_w))
+        b = tl.where(inb & (v >= 1.0), tl.minimum(v, CUT_BINS - 1.0), 0.0).to(tl.int32)  # NaN: 0
+        bins = tl.arange(0, CUT_BINS)
+        tl.store(part_hist_ptr + (r * n_chunks + c) * CUT_BINS + bins, tl.histogram(b, CUT_BINS))
+        tl.store(part_mass_ptr + r * n_chunks + c, 0.0)
+    else:
+        q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
+        tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
     tl.store(part_count_ptr + r * n_chunks + c, tl.sum(above.to(tl.int32), 0).to(tl.int64))
 
 
 @triton.jit
 def _decide_row(
     r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-    bound_i_ptr, candidate_ptr, part_mass_ptr, part_count_ptr, n_chunks, BLOCK_C: tl.constexpr,
-    PRECISE: tl.constexpr,
+    bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, part_mass_ptr, part_count_ptr, part_hist_ptr, n_chunks,
+    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Row r under the test: keep the candidate if it passes top-p and top-k (status 0), else shrink
-    the region to the tokens ranked before it (status 1); returns the status."""
+    the region to the tokens ranked before it (status 1), and for top-k to the highest of the test's
+    bins that still hold top_k tokens; returns the status."""
     offs = tl.arange(0, BLOCK_C)
     part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
     count = tl.load(part_count_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0, cache_modifier=".cg")
@@ -302,10 +343,33 @@ def _decide_row(
     x_w = scaled(
         tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
     )
-    kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), tl.load(top_p_ptr + r), tl.load(top_k_ptr + r))
+    top_k = tl.load(top_k_ptr + r)
+    kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), tl.load(top_p_ptr + r), top_k)
     status = tl.where(kept, 0, 1)
+    if (status == 1) & (top_k > 0):
+        _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK_C)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
+
+
+@triton.jit
+def _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK_C: tl.constexpr):
+    """A rejected top-k winner w: cut the region to bins j and up of its test, for the highest j
+    whose bins still hold top_k tokens. Every bin from 1 up lies above w, so the cut is inside the
+    region ahead of w; with no such j the region stays that one."""
+    offs = tl.arange(0, BLOCK_C)
+    bins = tl.arange(0, CUT_BINS)
+    part = tl.load(
+        part_hist_ptr + (r * n_chunks + offs[:, None]) * CUT_BINS + bins[None, :],
+        mask=(offs < n_chunks)[:, None], other=0, cache_modifier=".cg",
+    )  # fmt: skip
+    hist = tl.sum(part, 0)
+    from_bin = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # tokens in bins b and up
+    j = tl.sum(((bins >= 1) & (from_bin >= top_k)).to(tl.int32), 0)
+    if j > 0:
+        tl.store(cut_ptr + r * 3, x_w)
+        tl.store(cut_ptr + r * 3 + 1, _cut_scale(tl.load(row_max_ptr + r), x_w))
+        tl.store(cut_ptr + r * 3 + 2, j.to(tl.float32))
 
 
 @triton.jit

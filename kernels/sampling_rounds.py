@@ -116,8 +116,8 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
 def _pass_chunks(
     r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr,
     out_index_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
-    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
-    counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr,
+    queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
     PRECISE: tl.constexpr,
 ):  # fmt: skip
     """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
@@ -126,26 +126,27 @@ def _pass_chunks(
     for c in range(start, stop):
         if kind == TEST:
             _mass_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, candidate_ptr, row_lse_ptr, part_sum_ptr,
-                part_index_ptr, V, n_chunks, CHUNK, PRECISE,
+                r, c, logits_ptr, stride, temperature_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+                part_sum_ptr, part_index_ptr, part_hist_ptr, V, n_chunks, CHUNK, PRECISE,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             _race_chunk(
                 r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
                 part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE,
             )  # fmt: skip
         else:
             _race_chunk(
                 r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
                 part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE,
             )  # fmt: skip
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
         if kind == TEST:
             status = _decide_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, part_sum_ptr, part_index_ptr, n_chunks, BLOCK_C, PRECISE,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, part_sum_ptr, part_index_ptr,
+                part_hist_ptr, n_chunks, BLOCK_C, PRECISE,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             tl.store(races_ptr + r, 1)
@@ -168,8 +169,8 @@ def _pass_chunks(
 @triton.jit
 def _rounds_kernel(
     logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
-    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr,
+    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr,
+    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr,
 ):  # fmt: skip
@@ -188,9 +189,9 @@ def _rounds_kernel(
             _pass_chunks(
                 payload // 4, start, tl.minimum(start + GROUP, n_chunks), payload % 4, logits_ptr, stride,
                 temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V,
-                n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr, queue_ptr,
+                counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE,
             )  # fmt: skip
     _leave(queue_ptr, counters_ptr, 256)
 
@@ -230,9 +231,9 @@ def race_and_test(
     _rounds_kernel[(_persistent(S * C, programs),)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-        state.row_max, state.row_lse, state.part_score, state.part_index, state.part_max, state.part_sum,
-        state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds,
-        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
+        state.row_max, state.row_lse, state.cut, state.part_score, state.part_index, state.part_max,
+        state.part_sum, state.part_hist, state.arrived, state.races, state.queue, state.counters, V, C,
+        state.queue.numel(), ROUNDS=rounds, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
         SLEEP=logits.is_cuda, num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](

@@ -306,6 +306,24 @@ def test_rejection_variant_equals_reference_with_top_k_alone(vocab, chunk, round
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
 
 
+def test_top_k_cut_settles_flat_rows_in_few_races():
+    """On flat rows a rejected race winner alone only halves the region, so top_k 1-100 of 4096 would
+    take up to 8 races and the finisher; the test's bins cut the region to the highest bins holding
+    top_k tokens, and every row settles in at most 3 races, with the reference's tokens."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 8, 4096
+    logits = torch.randn(rows, vocab, generator=gen) * 0.02
+    params = [SamplingParams(temperature=1.0, top_k=[1, 4, 20, 100][r % 4], seed=r) for r in range(rows)]
+    state = make_state(rows, vocab)
+    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=512, rejection_rounds=8)
+    index = list(range(rows))
+    load_rows(state, params, index)
+    sampler.rejection()
+    assert torch.equal(state.sampled[:rows].cpu(), reference(logits, params, index))
+    races = sampler._rejection.races[:rows].cpu()
+    assert (races <= 3).all(), races
+
+
 def test_rejection_queue_is_reset_for_the_next_step():
     """The rounds run as one launch over a work queue (kernels/sampling_rounds.py); its last program
     out resets the queue, so the next step's rows (other output indices, fewer rows) are sampled
@@ -335,8 +353,8 @@ from tests.sm90_ptx import ptx_for_sm90
 f32, i32, i64 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.int32, torch.int64))
 pointers = dict(
     logits=f32, n_rows=i32, temperature=f32, top_p=f32, top_k=i64, min_p=f32, seed=i64, out_index=i64, sampled=i64,
-    status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, part_score=f32,
-    part_index=i64, part_max=f32, part_sum=f32, arrived=i32, races=i32, queue=i32, counters=i32,
+    status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, cut=f32, part_score=f32,
+    part_index=i64, part_max=f32, part_sum=f32, part_hist=i32, arrived=i32, races=i32, queue=i32, counters=i32,
 )
 args = {f"{name}_ptr": t for name, t in pointers.items()} | dict(stride=0, V=0, n_chunks=0, queue_size=0)
 constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True)

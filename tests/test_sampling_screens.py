@@ -1,5 +1,6 @@
 """The cheap screens inside the device sampler's kernels (kernels/sampling.py, sampling_rejection.py):
-the race's screened score picks the exact winner, and the top-p mass ranks by x / t exactly rounded.
+the race's screened score picks the exact winner, and the top-p mass and top-k count rank by x / t
+exactly rounded.
 
 Without a GPU the kernels run under the Triton interpreter; the screen's error bound is measured on
 the GPU only (it is a property of the GPU's fast log).
@@ -25,9 +26,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @triton.jit
 def _mass_kernel(
-    logits_ptr, t_ptr, candidate_ptr, lse_ptr, out_ptr, V, CHUNK: tl.constexpr, PRECISE: tl.constexpr
-):
-    _mass_chunk(0, 0, logits_ptr, V, t_ptr, candidate_ptr, lse_ptr, out_ptr, V, 1, CHUNK, PRECISE)
+    logits_ptr, t_ptr, top_k_ptr, candidate_ptr, lse_ptr, out_ptr, count_ptr, V, CHUNK: tl.constexpr,
+    PRECISE: tl.constexpr,
+):  # fmt: skip
+    # A top-p row (top_k 0): the row's max and the top-k bins are not read, so t_ptr and count_ptr stand in.
+    _mass_chunk(
+        0, 0, logits_ptr, V, t_ptr, top_k_ptr, candidate_ptr, t_ptr, lse_ptr, out_ptr, count_ptr, count_ptr, V, 1,
+        CHUNK, PRECISE,
+    )  # fmt: skip
 
 
 def test_top_p_mass_ranks_by_rounded_x_over_t():
@@ -41,12 +47,15 @@ def test_top_p_mass_ranks_by_rounded_x_over_t():
     x = logits / t
     lse = torch.logsumexp(x, 0)
     out = torch.zeros(1, device=DEVICE)
+    count = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     _mass_kernel[(1,)](
-        logits.to(DEVICE), torch.tensor([t], device=DEVICE), torch.tensor([5], device=DEVICE),
-        lse.reshape(1).to(DEVICE), out, 64, CHUNK=64, PRECISE=DEVICE == "cuda",
+        logits.to(DEVICE), torch.tensor([t], device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        torch.tensor([5], device=DEVICE), lse.reshape(1).to(DEVICE), out, count, 64, CHUNK=64,
+        PRECISE=DEVICE == "cuda",
     )  # fmt: skip
     want = torch.exp(x[20] - lse)  # only the 4.0 ranks before the candidate
     assert torch.allclose(out.cpu(), want.reshape(1), rtol=1e-5), (out, want, torch.exp(x[9] - lse))
+    assert count.item() == 1  # top-k's count of tokens above it ranks the same way: the tie is not above
 
 
 @triton.jit
