@@ -42,6 +42,8 @@ MIXES = {
     "t1.0": dict(temperature=1.0),
     "min_p 0.05": dict(temperature=0.8, min_p=0.05),
     "t0.7 top_p 0.9 min_p 0.05": dict(temperature=0.7, top_p=0.9, min_p=0.05),
+    "t1.0 top_k 50": dict(temperature=1.0, top_k=50),
+    "t0.8 top_k 5 min_p 0.05": dict(temperature=0.8, top_k=5, min_p=0.05),
 }
 
 
