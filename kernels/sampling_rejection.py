@@ -357,13 +357,10 @@ def _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK
     """A rejected top-k winner w: cut the region to bins j and up of its test, for the highest j
     whose bins still hold top_k tokens. Every bin from 1 up lies above w, so the cut is inside the
     region ahead of w; with no such j the region stays that one."""
-    offs = tl.arange(0, BLOCK_C)
     bins = tl.arange(0, CUT_BINS)
-    part = tl.load(
-        part_hist_ptr + (r * n_chunks + offs[:, None]) * CUT_BINS + bins[None, :],
-        mask=(offs < n_chunks)[:, None], other=0, cache_modifier=".cg",
-    )  # fmt: skip
-    hist = tl.sum(part, 0)
+    hist = tl.zeros([CUT_BINS], tl.int32)
+    for c in range(n_chunks):  # a chunk's bins at a time: few registers in the rounds kernel
+        hist += tl.load(part_hist_ptr + (r * n_chunks + c) * CUT_BINS + bins, cache_modifier=".cg")
     from_bin = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # tokens in bins b and up
     j = tl.sum(((bins >= 1) & (from_bin >= top_k)).to(tl.int32), 0)
     if j > 0:
