@@ -41,7 +41,7 @@ from blink_appliance.engine.reference.sampler import SamplingTensors, sample  # 
 from blink_appliance.wire.request import SamplingParams  # noqa: E402
 from tests.test_device_sampler import load_rows, make_state, variant_for  # noqa: E402  (as schedule does)
 
-VARIANT_NAMES = ("greedy", "rejection", "full")
+VARIANT_NAMES = ("greedy", "rejection", "rejection top-k", "full")
 
 MIXES: dict[str, dict] = {
     "temperature 1.0": dict(temperature=1.0),

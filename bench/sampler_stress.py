@@ -101,7 +101,7 @@ def main() -> int:
     state = make_state(args.capacity, args.vocab)
     logits = torch.zeros(args.capacity, args.vocab, device=dev)
     sampler = DeviceSampler(state, logits)
-    rejection, greedy = sampler.variants()[1], sampler.greedy
+    greedy = sampler.greedy
     gen = torch.Generator(device=dev).manual_seed(1)
     head = 16.0 - 1.5 * torch.log(torch.arange(1, args.vocab + 1, dtype=torch.float32, device=dev))
     mixes = list(MIXES)
@@ -123,6 +123,8 @@ def main() -> int:
             logits[:n] += head[torch.randperm(args.vocab, device=dev, generator=gen)]
         if step % 3 == 0:
             logits.copy_(logits.bfloat16().float())
+        # Top-k mixes need the kernel compiled with top-k; top-p mixes take either, a step each.
+        rejection = sampler.rejection_top_k if "top_k" in MIXES[mix] or step % 2 else sampler.rejection
         (greedy if step % 7 == 6 else rejection)()
         kinds[kind] = kinds.get(kind, 0) + 1
         if dev == "cpu":

@@ -31,16 +31,17 @@ INT64_MAX = 2**63 - 1
 # a smaller one serves, so schedule takes the largest any row needs. engine/loop/sampler.py has them.
 SAMPLER_GREEDY = 0  # argmax rows only
 SAMPLER_REJECTION = 1  # temperature, top-p, min-p (kernels/sampling_rejection.py)
-SAMPLER_FULL = 2  # and top-k
+SAMPLER_REJECTION_TOP_K = 2  # and rows with top-k but not top-p (its count and cut compiled in)
+SAMPLER_FULL = 3  # and top-k with top-p
 # Added to the variant when a row of the step asks for logprobs: the variant, then the logprob rows
 # (engine/loop/logprobs.py), so steps without them pay nothing.
-SAMPLER_LOGPROBS = 3
+SAMPLER_LOGPROBS = 4
 # Added when a row of the step has a penalty or a logit bias: the penalties first (they change the
 # logits the variant and the logprobs read; engine/loop/penalties.py).
-SAMPLER_PENALTIES = 6
+SAMPLER_PENALTIES = 8
 # Added when the step scores prompt positions (prompt logprobs): their logits and logprob rows first
 # (engine/loop/logprobs.py DevicePromptLogprobs), apart from the sample rows.
-SAMPLER_SCORE = 12
+SAMPLER_SCORE = 16
 assert (
     SAMPLER_FULL < SAMPLER_LOGPROBS
     and SAMPLER_PENALTIES == 2 * SAMPLER_LOGPROBS

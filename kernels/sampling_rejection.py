@@ -128,7 +128,7 @@ def _cut_bin(x, lo, scale):
 def _race_chunk(
     r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
     row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
-    CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
+    CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of row r: the best race score in the row's region; the first round also writes the
     chunk's max and sum of exp(x - max) for the row's logsumexp. Argmax rows race on the raw logits."""
@@ -145,8 +145,9 @@ def _race_chunk(
         seed = tl.load(seed_ptr + r)
         out_index = tl.load(out_index_ptr + r)
         if FIRST:  # the whole row is the region, and no cut holds yet this step
-            if c == 0:
-                tl.store(cut_ptr + r * 3 + 2, 0.0)
+            if TOP_K:
+                if c == 0:
+                    tl.store(cut_ptr + r * 3 + 2, 0.0)
             # IEEE division by t > 0 keeps order, so the max of x / t is the max of x, divided once.
             hi = scaled(tl.max(raw, 0), t, PRECISE)
             tl.store(part_max_ptr + out, hi)
@@ -159,11 +160,12 @@ def _race_chunk(
             region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
             floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
             region = region & (x >= floor)
-            cut_j = tl.load(cut_ptr + r * 3 + 2)
-            if cut_j > 0.0:
-                region = region & (
-                    _cut_bin(x, tl.load(cut_ptr + r * 3), tl.load(cut_ptr + r * 3 + 1)) >= cut_j
-                )
+            if TOP_K:
+                cut_j = tl.load(cut_ptr + r * 3 + 2)
+                if cut_j > 0.0:
+                    region = region & (
+                        _cut_bin(x, tl.load(cut_ptr + r * 3), tl.load(cut_ptr + r * 3 + 1)) >= cut_j
+                    )
             best = tl.full([], float("-inf"), tl.float32)
             best_index = c * CHUNK
             if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
@@ -197,13 +199,13 @@ def _argmax_kernel(
         _race_chunk(
             r, item % n_chunks, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr,
             logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr, logits_ptr,
-            V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
+            V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False, TOP_K=False,
         )  # fmt: skip
         if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
             _pick_row(
                 r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
                 logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,
-                logits_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False,
+                logits_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False, TOP_K=False,
             )  # fmt: skip
 
 
@@ -246,7 +248,7 @@ def _pick_row(
     r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
     bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
     part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
     min-p test; returns the row's new status. The first round also sets the row's max and
@@ -278,9 +280,10 @@ def _pick_row(
             row_max = tl.load(row_max_ptr + r)
         if tl.max(scores, 0) > float("-inf"):  # an empty region (NaN logits) keeps the winner
             x_w = scaled(tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), t, PRECISE)
-            status = _verdict(
-                x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), tl.load(top_k_ptr + r), PRECISE
-            )
+            top_k = tl.zeros([], tl.int64)
+            if TOP_K:
+                top_k = tl.load(top_k_ptr + r)
+            status = _verdict(x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), top_k, PRECISE)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
 
@@ -288,12 +291,12 @@ def _pick_row(
 @triton.jit
 def _mass_chunk(
     r, c, logits_ptr, stride, temperature_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_mass_ptr,
-    part_count_ptr, part_hist_ptr, V, n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr,
+    part_count_ptr, part_hist_ptr, V, n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c of row r under the test: how many tokens lie strictly above the candidate (top-k keeps
-    every token at or above the k-th largest, ties included), and for a top-p row the probability mass
-    ranked before it (MASS_PRECISION; the row's first pick set row_lse), for a top-k row its tokens
-    above the candidate in CUT_BINS bins. The rank is by x / t, exactly rounded; the logits themselves
+    """Chunk c of row r under the test: for a top-p row the probability mass ranked before the
+    candidate (MASS_PRECISION; the row's first pick set row_lse); with TOP_K, how many tokens lie
+    strictly above it (top-k keeps every token at or above the k-th largest, ties included) and for a
+    top-k row those tokens in CUT_BINS bins. The rank is by x / t, exactly rounded; the logits themselves
     rank the same except where rounding ties two of them, which only a logit within 2^-20 of the
     candidate's can."""
     row = logits_ptr + tl.cast(r, tl.int64) * stride
@@ -313,7 +316,9 @@ def _mass_chunk(
     else:
         ahead = inb & _ahead(raw, idx, raw_w, w)
         above = inb & (raw > raw_w)
-    if tl.load(top_k_ptr + r) > 0:  # top-k alone: a row with top-p too takes the full variant
+    if TOP_K:
+        tl.store(part_count_ptr + r * n_chunks + c, tl.sum(above.to(tl.int32), 0).to(tl.int64))
+    if TOP_K and tl.load(top_k_ptr + r) > 0:  # top-k alone: with top-p too it takes the full variant
         x = scaled(raw, t, PRECISE)
         x_w = scaled(raw_w, t, PRECISE)
         v = _cut_bin(x, x_w, _cut_scale(tl.load(row_max_ptr + r), x_w))
@@ -324,30 +329,34 @@ def _mass_chunk(
     else:
         q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
         tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
-    tl.store(part_count_ptr + r * n_chunks + c, tl.sum(above.to(tl.int32), 0).to(tl.int64))
 
 
 @triton.jit
 def _decide_row(
     r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
     bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, part_mass_ptr, part_count_ptr, part_hist_ptr, n_chunks,
-    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Row r under the test: keep the candidate if it passes top-p and top-k (status 0), else shrink
     the region to the tokens ranked before it (status 1), and for top-k to the highest of the test's
     bins that still hold top_k tokens; returns the status."""
     offs = tl.arange(0, BLOCK_C)
     part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
-    count = tl.load(part_count_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0, cache_modifier=".cg")
     w = tl.load(candidate_ptr + r)
     x_w = scaled(
         tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
     )
-    top_k = tl.load(top_k_ptr + r)
-    kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), tl.load(top_p_ptr + r), top_k)
+    if TOP_K:
+        top_k = tl.load(top_k_ptr + r)
+        count = tl.load(
+            part_count_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0, cache_modifier=".cg"
+        )
+        kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), tl.load(top_p_ptr + r), top_k)
+        if (~kept) & (top_k > 0):
+            _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK_C)
+    else:
+        kept = _kept_by_test(tl.sum(part, 0), 0, tl.load(top_p_ptr + r), 0)
     status = tl.where(kept, 0, 1)
-    if (status == 1) & (top_k > 0):
-        _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK_C)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
 
@@ -357,10 +366,13 @@ def _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK
     """A rejected top-k winner w: cut the region to bins j and up of its test, for the highest j
     whose bins still hold top_k tokens. Every bin from 1 up lies above w, so the cut is inside the
     region ahead of w; with no such j the region stays that one."""
+    offs = tl.arange(0, BLOCK_C)
     bins = tl.arange(0, CUT_BINS)
-    hist = tl.zeros([CUT_BINS], tl.int32)
-    for c in range(n_chunks):  # a chunk's bins at a time: few registers in the rounds kernel
-        hist += tl.load(part_hist_ptr + (r * n_chunks + c) * CUT_BINS + bins, cache_modifier=".cg")
+    part = tl.load(
+        part_hist_ptr + (r * n_chunks + offs[:, None]) * CUT_BINS + bins[None, :],
+        mask=(offs < n_chunks)[:, None], other=0, cache_modifier=".cg",
+    )  # fmt: skip
+    hist = tl.sum(part, 0)
     from_bin = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # tokens in bins b and up
     j = tl.sum(((bins >= 1) & (from_bin >= top_k)).to(tl.int32), 0)
     if j > 0:

@@ -118,7 +118,7 @@ def _pass_chunks(
     out_index_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr,
     queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
     and queues what follows. A test's partial masses reuse part_sum (the row's first pick folded its
@@ -127,26 +127,26 @@ def _pass_chunks(
         if kind == TEST:
             _mass_chunk(
                 r, c, logits_ptr, stride, temperature_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
-                part_sum_ptr, part_index_ptr, part_hist_ptr, V, n_chunks, CHUNK, PRECISE,
+                part_sum_ptr, part_index_ptr, part_hist_ptr, V, n_chunks, CHUNK, PRECISE, TOP_K,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             _race_chunk(
                 r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
                 bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
         else:
             _race_chunk(
                 r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
                 bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE,
+                part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
         if kind == TEST:
             status = _decide_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, part_sum_ptr, part_index_ptr,
-                part_hist_ptr, n_chunks, BLOCK_C, PRECISE,
+                part_hist_ptr, n_chunks, BLOCK_C, PRECISE, TOP_K,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             tl.store(races_ptr + r, 1)
@@ -154,14 +154,14 @@ def _pass_chunks(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
-                PRECISE=PRECISE,
+                PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
         else:
             status = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
-                PRECISE=PRECISE,
+                PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
         _after_pass(r, status, kind == FIRST_RACE, queue_ptr, counters_ptr, races_ptr, ROUNDS)
 
@@ -172,7 +172,7 @@ def _rounds_kernel(
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr,
     part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr, queue_ptr,
     counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr,
+    BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
     groups = tl.cdiv(n_chunks, GROUP)
@@ -191,7 +191,7 @@ def _rounds_kernel(
                 temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr, queue_ptr,
-                counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE,
+                counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE, TOP_K,
             )  # fmt: skip
     _leave(queue_ptr, counters_ptr, 256)
 
@@ -206,14 +206,16 @@ def race_and_test(
     rounds: int,
     programs: int,
     precise: bool,
+    top_k: bool = True,
     ticket_chunks: int = TICKET_CHUNKS,
     max_registers: int | None = MAX_REGISTERS,
     finish_block: int = 2048,
 ) -> None:
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
-    races per row (each followed by its top-p / top-k test) in one launch, then `finish` for any row still
-    undecided. `max_registers` caps the queue kernel's registers per thread (more programs per SM).
-    Capturable: no host sync."""
+    races per row (each followed by its top-p / top-k test) in one launch, then `finish` for any row
+    still undecided. `top_k`: rows may have top-k (its count and cut are compiled in; without them the
+    kernel keeps the registers and speed of top-p rows alone). `max_registers` caps the queue kernel's
+    registers per thread (more programs per SM). Capturable: no host sync."""
     S, V = logits.shape
     C = state.part_score.shape[1]
     if C != triton.cdiv(V, chunk):
@@ -234,7 +236,7 @@ def race_and_test(
         state.row_max, state.row_lse, state.cut, state.part_score, state.part_index, state.part_max,
         state.part_sum, state.part_hist, state.arrived, state.races, state.queue, state.counters, V, C,
         state.queue.numel(), ROUNDS=rounds, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
-        SLEEP=logits.is_cuda, num_warps=NUM_WARPS, **registers,
+        SLEEP=logits.is_cuda, TOP_K=top_k, num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,

@@ -14,10 +14,12 @@ from blink_appliance.kernels.sampling import (
     SAMPLER_LOGPROBS,
     SAMPLER_PENALTIES,
     SAMPLER_REJECTION,
+    SAMPLER_REJECTION_TOP_K,
 )
 
 _SAMPLER_GREEDY = tl.constexpr(SAMPLER_GREEDY)
 _SAMPLER_REJECTION = tl.constexpr(SAMPLER_REJECTION)
+_SAMPLER_REJECTION_TOP_K = tl.constexpr(SAMPLER_REJECTION_TOP_K)
 _SAMPLER_FULL = tl.constexpr(SAMPLER_FULL)
 _SAMPLER_LOGPROBS = tl.constexpr(SAMPLER_LOGPROBS)
 _SAMPLER_PENALTIES = tl.constexpr(SAMPLER_PENALTIES)
@@ -293,8 +295,9 @@ def write_sample_rows(samples, row, slot, logits_row, slots, step):
     tl.store(step.row_output_index + row, generated.to(tl.int64), mask=samples)
     random = samples & (temperature > 0.0)
     # Top-k with top-p takes the sorting variant: the nucleus is normalised over the top-k survivors.
-    both = (top_k > 0) & (tl.load(slots.top_p + slot, mask=samples, other=1.0) < 1.0)
-    need = tl.where(random, tl.where(both, _SAMPLER_FULL, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
+    nucleus = tl.load(slots.top_p + slot, mask=samples, other=1.0) < 1.0
+    with_top_k = tl.where(nucleus, _SAMPLER_FULL, _SAMPLER_REJECTION_TOP_K)
+    need = tl.where(random, tl.where(top_k > 0, with_top_k, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
     logprobs = samples & (tl.load(slots.lp_top_n + slot, mask=samples, other=-1) >= 0)
     # The penalties' variants also mask constrained rows (engine/loop/constraint.py).
     penalized = samples & (

@@ -31,6 +31,7 @@ from blink_appliance.kernels.sampling import (  # noqa: E402
     SAMPLER_LOGPROBS,
     SAMPLER_PENALTIES,
     SAMPLER_REJECTION,
+    SAMPLER_REJECTION_TOP_K,
     SAMPLER_SCORE,
 )
 
@@ -298,6 +299,8 @@ class Twin:
             if p.temperature == 0
             else SAMPLER_FULL
             if p.top_k > 0 and p.top_p < 1.0
+            else SAMPLER_REJECTION_TOP_K
+            if p.top_k > 0
             else SAMPLER_REJECTION
             for _, p, _, _ in ref.sampling
         ]

@@ -18,7 +18,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from blink_appliance.kernels.sampling import SAMPLER_FULL, SAMPLER_GREEDY, SAMPLER_REJECTION  # noqa: E402
+from blink_appliance.kernels.sampling import (  # noqa: E402
+    SAMPLER_FULL,
+    SAMPLER_GREEDY,
+    SAMPLER_REJECTION,
+    SAMPLER_REJECTION_TOP_K,
+)
 
 from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
 from blink_appliance.engine.loop.state import DeviceState, LoopGeometry  # noqa: E402
@@ -57,7 +62,13 @@ def reference(logits: torch.Tensor, params: list[SamplingParams], output_index: 
 def variant_for(params: list[SamplingParams]) -> int:
     """The variant schedule picks for these rows (kernels/schedule_batch.py)."""
     need = [
-        SAMPLER_GREEDY if p.greedy else SAMPLER_FULL if p.top_k > 0 and p.top_p < 1.0 else SAMPLER_REJECTION
+        SAMPLER_GREEDY
+        if p.greedy
+        else SAMPLER_FULL
+        if p.top_k > 0 and p.top_p < 1.0
+        else SAMPLER_REJECTION_TOP_K
+        if p.top_k > 0
+        else SAMPLER_REJECTION
         for p in params
     ]
     return max(need)
@@ -287,21 +298,25 @@ def test_rejection_variant_equals_reference_without_top_k(vocab, chunk, rounds):
 @pytest.mark.parametrize("rounds", [1, 3])
 @pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 128)])
 def test_rejection_variant_equals_reference_with_top_k_alone(vocab, chunk, rounds):
-    """Rows with top-k but no top-p (with temperature and min-p) take the rejection variant: a winner
-    is kept when fewer than top_k tokens lie strictly above it, so ties at the k-th value are all kept,
-    as the reference keeps them. Flat rows make the first winners miss small top-k sets, so races
-    repeat and rows reach the finisher; rows of equal logits tie across the threshold."""
+    """Rows with top-k but no top-p (with temperature and min-p) take the rejection variant compiled
+    with top-k, beside rows with top-p alone: a winner is kept when fewer than top_k tokens lie
+    strictly above it, so ties at the k-th value are all kept, as the reference keeps them. Flat rows
+    make the first winners miss small top-k sets, so races repeat and rows reach the finisher; rows of
+    equal logits tie across the threshold."""
     gen = torch.Generator().manual_seed(vocab + 10 * rounds)
     rows = 48
     logits = torch.randn(rows, vocab, generator=gen) * 3
     logits[::4] *= 0.02
     logits[1::6] = torch.randint(0, 4, (vocab,), generator=gen).float()  # few distinct values: ties
-    params = [dataclasses.replace(p, top_p=1.0) for p in random_params(gen, rows, vocab)]
+    params = [dataclasses.replace(p, top_p=1.0) if p.top_k else p for p in random_params(gen, rows, vocab)]
     params[0] = SamplingParams(temperature=1.0, top_k=3, seed=9)
     assert any(p.top_k > 0 and not p.greedy for p in params)
-    assert variant_for(params) == SAMPLER_REJECTION
+    assert any(p.top_p < 1.0 and not p.greedy for p in params)
+    assert variant_for(params) == SAMPLER_REJECTION_TOP_K
     index = torch.randint(0, 500, (rows,), generator=gen).tolist()
-    got = run_device(logits, params, index, SAMPLER_REJECTION, rejection_chunk=chunk, rejection_rounds=rounds)
+    got = run_device(
+        logits, params, index, SAMPLER_REJECTION_TOP_K, rejection_chunk=chunk, rejection_rounds=rounds
+    )
     want = reference(logits, params, index)
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
 
@@ -318,7 +333,7 @@ def test_top_k_cut_settles_flat_rows_in_few_races():
     sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=512, rejection_rounds=8)
     index = list(range(rows))
     load_rows(state, params, index)
-    sampler.rejection()
+    sampler.rejection_top_k()
     assert torch.equal(state.sampled[:rows].cpu(), reference(logits, params, index))
     races = sampler._rejection.races[:rows].cpu()
     assert (races <= 3).all(), races
@@ -357,9 +372,10 @@ pointers = dict(
     part_index=i64, part_max=f32, part_sum=f32, part_hist=i32, arrived=i32, races=i32, queue=i32, counters=i32,
 )
 args = {f"{name}_ptr": t for name, t in pointers.items()} | dict(stride=0, V=0, n_chunks=0, queue_size=0)
-constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True)
-ptx = ptx_for_sm90(_rounds_kernel, args, constexprs, num_warps=4, scalar="i32")
-print(ptx.count("nanosleep.u32 1000"), ".acquire." in ptx, ".release." in ptx, ptx.count(".local"))
+for top_k in (False, True):
+    constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True, TOP_K=top_k)
+    ptx = ptx_for_sm90(_rounds_kernel, args, constexprs, num_warps=4, scalar="i32")
+    print(ptx.count("nanosleep.u32 1000"), ".acquire." in ptx, ".release." in ptx, ptx.count(".local"))
 """
 
 
@@ -378,8 +394,9 @@ def test_rounds_kernel_compiles_for_the_h100():
     ):
         pytest.skip(f"no CUDA compiler backend in this install: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    sleeps, acquire, release, local = done.stdout.split()
-    assert int(sleeps) >= 1 and acquire == release == "True" and local == "0", done.stdout
+    for line in done.stdout.splitlines():  # without top-k, then with it
+        sleeps, acquire, release, local = line.split()
+        assert int(sleeps) >= 1 and acquire == release == "True" and local == "0", done.stdout
 
 
 def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():
@@ -418,8 +435,8 @@ def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():
 def test_variants_are_ordered_by_what_they_serve():
     state = make_state(2, 64)
     sampler = DeviceSampler(state, torch.zeros(2, 64, device=DEVICE))
-    assert sampler.variants() == (sampler.greedy, sampler.rejection, sampler.full)
-    assert SAMPLER_GREEDY < SAMPLER_REJECTION < SAMPLER_FULL
+    assert sampler.variants() == (sampler.greedy, sampler.rejection, sampler.rejection_top_k, sampler.full)
+    assert SAMPLER_GREEDY < SAMPLER_REJECTION < SAMPLER_REJECTION_TOP_K < SAMPLER_FULL
 
 
 def test_with_penalties_and_logprobs_the_variants_are_the_plain_ones_then_each_after():

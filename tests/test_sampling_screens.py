@@ -29,10 +29,11 @@ def _mass_kernel(
     logits_ptr, t_ptr, top_k_ptr, candidate_ptr, lse_ptr, out_ptr, count_ptr, V, CHUNK: tl.constexpr,
     PRECISE: tl.constexpr,
 ):  # fmt: skip
-    # A top-p row (top_k 0): the row's max and the top-k bins are not read, so t_ptr and count_ptr stand in.
+    # A top-p row (top_k 0) in the top-k kernel (TOP_K, so it counts too): the row's max and the bins
+    # are not read, so t_ptr and count_ptr stand in.
     _mass_chunk(
         0, 0, logits_ptr, V, t_ptr, top_k_ptr, candidate_ptr, t_ptr, lse_ptr, out_ptr, count_ptr, count_ptr, V, 1,
-        CHUNK, PRECISE,
+        CHUNK, PRECISE, True,
     )  # fmt: skip
 
 

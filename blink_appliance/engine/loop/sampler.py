@@ -1,9 +1,10 @@
 """The GPU loop's sample step: DeviceState rows + the forward's logits -> state.sampled.
 
-Three capturable variants, chosen by state.sampler_index (a SWITCH in the loop's graph; host mode
+Four capturable variants, chosen by state.sampler_index (a SWITCH in the loop's graph; host mode
 reads it; schedule picks the cheapest that serves every row, kernels/sampling.py SAMPLER_*):
-`greedy` (argmax of every row), `rejection` (temperature, top-p or top-k, min-p: the exponential
-race with the counter-based RNG, without sorting; kernels/sampling_rejection.py) and `full` (the same
+`greedy` (argmax of every row), `rejection` (temperature, top-p, min-p: the exponential race with
+the counter-based RNG, without sorting; kernels/sampling_rejection.py), `rejection_top_k` (the same
+kernels compiled with top-k's count and cut, for rows with top-k but not top-p) and `full` (the same
 and top-k with top-p in one row). All read GpuForward.logits [S, V] fp32 (row r = sample row r) and the row_* tensors
 schedule wrote, and write state.sampled [S] int64. Static shapes, no host sync, no allocation that
 depends on data: they run inside a CUDA graph. `greedy` and `rejection` touch rows
@@ -58,6 +59,7 @@ from blink_appliance.kernels.sampling import (
     SAMPLER_FULL,
     SAMPLER_GREEDY,
     SAMPLER_REJECTION,
+    SAMPLER_REJECTION_TOP_K,
     exact_cut,
     masked_logsumexp,
     race,
@@ -127,7 +129,10 @@ class DeviceSampler:
         # follows its rows (state.num_sample_rows), not the loop's max_num_seqs.
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self.programs = programs_per_sm * sms
-        by_index = {SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection, SAMPLER_FULL: self.full}
+        by_index = {
+            SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection,
+            SAMPLER_REJECTION_TOP_K: self.rejection_top_k, SAMPLER_FULL: self.full,
+        }  # fmt: skip
         base = tuple(by_index[i] for i in range(len(by_index)))
         # Then each again followed by the logprob rows (SAMPLER_LOGPROBS + i), and all of those again
         # after the penalties (SAMPLER_PENALTIES + i), when the loop has them.
@@ -205,10 +210,19 @@ class DeviceSampler:
         st.sampled.copy_(self._part_index.gather(1, best)[:, 0])
 
     def rejection(self) -> None:
-        """Rows without top-k and top-p together: race the row, test the winner against min-p, top-p
-        and top-k, and race again before it while it is not kept (kernels/sampling_rejection.py). One
-        pass of reading when the first winner is kept, which a top-p row's is with probability >= top_p;
-        a test pass more for a top-p or top-k row."""
+        """Rows without top-k: race the row, test the winner against min-p and top-p, and race again
+        before it while it is not kept (kernels/sampling_rejection.py). One pass of reading when the
+        first winner is kept, which a top-p row's is with probability >= top_p; a test pass more for
+        a top-p row."""
+        self._race_and_test(top_k=False)
+
+    def rejection_top_k(self) -> None:
+        """`rejection`, and rows with top-k but not top-p: the test also counts the tokens above the
+        winner, and a rejected one cuts the region to the bins that hold the top-k set. Its own variant,
+        since that code costs top-p rows 2-15 µs in the register-capped kernel."""
+        self._race_and_test(top_k=True)
+
+    def _race_and_test(self, *, top_k: bool) -> None:
         st = self.state
         rows = SampleRows(
             n_rows=st.num_sample_rows, temperature=st.row_temperature, top_p=st.row_top_p, top_k=st.row_top_k,
@@ -216,7 +230,7 @@ class DeviceSampler:
         )  # fmt: skip
         race_and_test(
             self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
-            rounds=self.rejection_rounds, programs=self.programs, precise=self.precise,
+            rounds=self.rejection_rounds, programs=self.programs, precise=self.precise, top_k=top_k,
             ticket_chunks=self.rejection_ticket_chunks, max_registers=self.rejection_max_registers,
         )  # fmt: skip
 
