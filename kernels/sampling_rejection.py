@@ -368,6 +368,7 @@ def _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK
     region ahead of w; with no such j the region stays that one."""
     offs = tl.arange(0, BLOCK_C)
     bins = tl.arange(0, CUT_BINS)
+    # One load of every chunk's bins: a loop over the chunks was 5 µs slower a flat top_k 50 row.
     part = tl.load(
         part_hist_ptr + (r * n_chunks + offs[:, None]) * CUT_BINS + bins[None, :],
         mask=(offs < n_chunks)[:, None], other=0, cache_modifier=".cg",
