@@ -7,7 +7,7 @@ the counter-based RNG, without sorting; kernels/sampling_rejection.py), `rejecti
 kernels compiled with top-k's count and cut, for rows with top-k but not top-p) and `full` (the same
 and top-k with top-p in one row). All read GpuForward.logits [S, V] fp32 (row r = sample row r) and the row_* tensors
 schedule wrote, and write state.sampled [S] int64. Static shapes, no host sync, no allocation that
-depends on data: they run inside a CUDA graph. `greedy` and `rejection` touch rows
+depends on data: they run inside a CUDA graph. `greedy` and both `rejection` variants touch rows
 [0, state.num_sample_rows) only; `full` samples every row, rows with sample_slot < 0 greedily
 (commit ignores them).
 
@@ -219,7 +219,7 @@ class DeviceSampler:
     def rejection_top_k(self) -> None:
         """`rejection`, and rows with top-k but not top-p: the test also counts the tokens above the
         winner, and a rejected one cuts the region to the bins that hold the top-k set. Its own variant,
-        since that code costs top-p rows 2-15 µs in the register-capped kernel."""
+        since that code costs top-p rows 2-17 µs in the register-capped kernel."""
         self._race_and_test(top_k=True)
 
     def _race_and_test(self, *, top_k: bool) -> None:
