@@ -100,7 +100,7 @@ def test_an_urgent_request_preempts_the_lowest_class_and_nothing_preempts_within
 
 def random_workload(t: Twin, seed: int, steps: int = 60) -> None:
     """Requests of three classes arriving at random (prompts of 1-20 tokens, greedy, seeded and
-    unseeded sampling), cancels; then run to completion. The twin compares every step."""
+    unseeded sampling, top-k alone and with top-p, so each sampler variant), cancels; then run to completion. The twin compares every step."""
     rng = random.Random(seed)
     live = []
     for _ in range(steps):
@@ -112,6 +112,7 @@ def random_workload(t: Twin, seed: int, steps: int = 60) -> None:
                 SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 10)),
                 SamplingParams(temperature=0.9, top_k=20, seed=rng.randint(0, 99), max_tokens=rng.randint(1, 10)),
                 SamplingParams(temperature=0.7, max_tokens=rng.randint(1, 10), ignore_eos=True),
+                SamplingParams(temperature=0.8, top_k=40, top_p=0.95, max_tokens=rng.randint(1, 10)),
             ])  # fmt: skip
             p = prompt(rng.randint(1, 20), rng.randint(0, 999))
             live.append(t.front.submit(p, params, priority=rng.choice([-2, 0, 0, 3, 3])))
