@@ -32,8 +32,6 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 256  # every row sits in one token tile (BLOCK_T), so the weights are read once
-# So weights are loaded evict-first: a step streams gigabytes of them through L2 once, and marked
-# first to go they leave the loop's small kernels their code and state there.
 
 
 @triton.jit
@@ -77,6 +75,8 @@ def _skinny_gemm_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         x_off = x_ptr + t[None, :] * x_stride + k[:, None]
+        # Weights load evict-first: a step streams gigabytes of them through L2 once, and marked
+        # first to go they leave the loop's small kernels their code and state there.
         if EVEN:  # N and the K slices are whole tiles: unmasked weight loads
             x_mask = t[None, :] < M
             w = tl.load(w_rows + k[None, :] * w_stride_k, eviction_policy="evict_first")
