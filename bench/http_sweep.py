@@ -53,6 +53,7 @@ class Case:
     batch: int
     temperature: float
     top_p: float | None = None
+    top_k: int | None = None
 
 
 CASES = {
@@ -62,6 +63,8 @@ CASES = {
         Case("b1-t1.0", 1, 1.0),
         Case("b64-greedy", 64, 0.0),
         Case("b64-t0.7-p0.9", 64, 0.7, 0.9),
+        Case("b1-t0.8-k40-p0.95", 1, 0.8, 0.95, 40),
+        Case("b64-t0.8-k40-p0.95", 64, 0.8, 0.95, 40),
     )
 }
 
@@ -177,7 +180,7 @@ async def run_case(
         if (left := until - time.monotonic()) < 1.0:
             break
         config = LoadConfig(
-            base_url=url, model=MODEL_NAME, temperature=case.temperature, top_p=case.top_p,
+            base_url=url, model=MODEL_NAME, temperature=case.temperature, top_p=case.top_p, top_k=case.top_k,
             ignore_eos=True, request_timeout_s=left,
         )  # fmt: skip
         reqs = prompts(batch, args.input_len, args.output_len, args.vocab, rng)
@@ -191,7 +194,7 @@ async def run_case(
     if cpu_before is not None and cpu_after is not None and tokens:
         cpu_per_1k = round((cpu_after - cpu_before) / tokens * 1e3, 4)
     return {
-        "case": case.name, "batch": batch, "temperature": case.temperature, "top_p": case.top_p,
+        "case": case.name, "batch": batch, "temperature": case.temperature, "top_p": case.top_p, "top_k": case.top_k,
         "waves": len(records) // batch, "requests": len(records), "completed": len(done),
         "failed": len(records) - len(done),
         "failures": failures[:5], "tokens_per_request": sorted({r.output_tokens for r in done}),

@@ -4,10 +4,8 @@
 
 Per case (a logit shape, a sampling mix with every row the same, a row count), after checking the
 tokens of the variant schedule picks against the reference sampler (engine/reference/sampler.py):
-- `greedy()`, the picked variant and `full()`, each captured as a CUDA graph (as the loop runs
-  them), median replay time, and the picked variant's cost over greedy;
-- for `full()`, how many rows have their top-k / top-p cut past the 256 candidates, which sends them
-  down the exact-cut path (counted on the host; ties at the candidates' edge left out);
+- `greedy()` and the picked variant, each captured as a CUDA graph (as the loop runs them), median
+  replay time, and the picked variant's cost over greedy;
 - the top kernels of a few eager calls of the picked variant under the torch profiler (us per call).
 
 Logit shapes: `flat` (N(0, 1): what random weights give, where a 0.9 nucleus holds most of the
@@ -41,7 +39,7 @@ from blink_appliance.engine.reference.sampler import SamplingTensors, sample  # 
 from blink_appliance.wire.request import SamplingParams  # noqa: E402
 from tests.test_device_sampler import load_rows, make_state, variant_for  # noqa: E402  (as schedule does)
 
-VARIANT_NAMES = ("greedy", "rejection", "rejection top-k", "full")
+VARIANT_NAMES = ("greedy", "rejection", "rejection top-k", "rejection top-k top-p")
 
 MIXES: dict[str, dict] = {
     "temperature 1.0": dict(temperature=1.0),
@@ -49,6 +47,8 @@ MIXES: dict[str, dict] = {
     "top_p 0.95, top_k 40": dict(temperature=0.8, top_p=0.95, top_k=40),
     "top_k 50": dict(temperature=1.0, top_k=50),
     "top_k 1000": dict(temperature=0.8, top_k=1000),
+    "top_k 20, top_p 0.8": dict(temperature=0.7, top_k=20, top_p=0.8),
+    "top_k 1000, top_p 0.9": dict(temperature=1.0, top_k=1000, top_p=0.9),
     "min_p 0.05": dict(temperature=0.8, min_p=0.05),
 }
 
@@ -64,24 +64,6 @@ def logits_of(shape: str, rows: int, vocab: int, device: str) -> torch.Tensor:
         for r in range(rows):
             x[r, torch.randperm(vocab, generator=gen)] += head
     return x.to(device).contiguous()
-
-
-def exact_rows(logits: torch.Tensor, params: list[SamplingParams], candidates: int) -> int:
-    """Rows whose top-k or top-p cut lies past the sorted candidates, so `full()` settles them with the
-    exact-cut kernel (counted on the host; ties at the candidates' edge, which also send a row there,
-    are left out)."""
-    n = 0
-    for r, p in enumerate(params):
-        x = logits[r].double().cpu() / p.temperature
-        k_ok = p.top_k <= 0 or p.top_k >= x.numel() or p.top_k <= candidates
-        if p.top_p >= 1.0:
-            n += not k_ok
-            continue
-        kept = x if p.top_k <= 0 or p.top_k >= x.numel() else x.topk(p.top_k).values
-        probs = torch.softmax(kept, 0).sort(descending=True).values
-        nucleus = int((probs.cumsum(0) - probs < p.top_p).sum())
-        n += not (k_ok and nucleus < candidates)
-    return n
 
 
 def graph_ms(fn, device: str) -> float | None:
@@ -133,10 +115,8 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
         "rows": rows,
         "variant": VARIANT_NAMES[variant],
         "mismatches": mismatches,
-        "exact_rows": exact_rows(logits, params, sampler.candidates),
         "greedy_ms": graph_ms(sampler.greedy, device),
         "picked_ms": graph_ms(picked, device),
-        "full_ms": graph_ms(sampler.full, device),
     }
     if device == "cuda":
         result["top_kernels_us"] = top_kernels(picked)
@@ -220,14 +200,12 @@ def main() -> None:
         return "-" if r["greedy_ms"] is None else f"+{r['picked_ms'] - r['greedy_ms']:.3f}"
 
     print(f"\nV = {vocab}, {env['device']}")
-    print(
-        "| rows | logits | mix | variant | greedy ms | variant ms | over greedy | full ms | rows past the candidates (full) | mismatches |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| rows | logits | mix | variant | greedy ms | variant ms | over greedy | mismatches |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r['rows']} | {r['shape']} | {r['mix']} | {r['variant']} | {ms(r['greedy_ms'])} | {ms(r['picked_ms'])} "
-            f"| {over(r)} | {ms(r['full_ms'])} | {r['exact_rows']} | {r['mismatches']} |"
+            f"| {over(r)} | {r['mismatches']} |"
         )
     bad = sum(r["mismatches"] for r in results)
     if bad:

@@ -44,6 +44,8 @@ MIXES = {
     "t0.7 top_p 0.9 min_p 0.05": dict(temperature=0.7, top_p=0.9, min_p=0.05),
     "t1.0 top_k 50": dict(temperature=1.0, top_k=50),
     "t0.8 top_k 5 min_p 0.05": dict(temperature=0.8, top_k=5, min_p=0.05),
+    "t0.8 top_k 40 top_p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95),
+    "t0.7 top_k 20 top_p 0.8 min_p 0.05": dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05),
 }
 
 
@@ -123,8 +125,11 @@ def main() -> int:
             logits[:n] += head[torch.randperm(args.vocab, device=dev, generator=gen)]
         if step % 3 == 0:
             logits.copy_(logits.bfloat16().float())
-        # Top-k mixes need the kernel compiled with top-k; top-p mixes take either, a step each.
-        rejection = sampler.rejection_top_k if "top_k" in MIXES[mix] or step % 2 else sampler.rejection
+        # Each mix takes, a step each, every variant that serves it (the larger ones serve the smaller's rows).
+        serving = (sampler.rejection, sampler.rejection_top_k, sampler.rejection_top_k_top_p)
+        if "top_k" in MIXES[mix]:
+            serving = serving[2:] if "top_p" in MIXES[mix] else serving[1:]
+        rejection = serving[step % len(serving)]
         (greedy if step % 7 == 6 else rejection)()
         kinds[kind] = kinds.get(kind, 0) + 1
         if dev == "cpu":

@@ -1,6 +1,6 @@
 """Triton kernels of the device sampler's rejection variant (engine/loop/sampler.py `rejection`): the
-exponential race over a row's kept tokens without sorting it, for rows with top-p or top-k (not both:
-the reference's nucleus is then normalised over the top-k survivors), min-p and temperature.
+exponential race over a row's kept tokens without sorting it, for rows with top-p, top-k or both, min-p
+and temperature.
 
 The kept set of such a row is a prefix of the row in (value descending, index ascending) order, so
 the race winner over the kept set is found by racing over a *region* that holds it:
@@ -14,12 +14,18 @@ the race winner over the kept set is found by racing over a *region* that holds 
   token ranks before w, so the region shrinks to the tokens ranked before w and the race runs again.
   A top-k test also bins the tokens above w (`_cut_bin`), and the region shrinks further to the
   highest bins that still hold top_k tokens: on flat logits a rejected winner alone only halves it.
+- with both top-k and top-p (compiled in with BOTH, a variant of its own) the nucleus is
+  normalised over the top-k set, whose mass is unknown until its threshold is: the test sums the
+  mass at or above w instead of cutting (inside that set when w passes top-k), and decides when that
+  bound or the whole row's mass does; otherwise select passes find the threshold
+  (kernels/sampling_select.py; the first race bins its first level), and w is tested again against
+  the set's exact mass, or the race runs again inside the set.
 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
-bound_i), 2 top-p / top-k test of the candidate pending. This module has the chunk-level steps; one launch
-runs them as a work queue (kernels/sampling_rounds.py), and `finish` then loops the rare rows still
-undecided, one program per row.
+bound_i), 2 top-p / top-k test of the candidate pending, 3 select pass pending. This module has the
+chunk-level steps; one launch runs them as a work queue (kernels/sampling_rounds.py), and `finish`
+(kernels/sampling_finish.py) then loops the rare rows still undecided, one program per row.
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from blink_appliance.kernels.sampling import _exp, _log, best_score, gumbel, scaled
+from blink_appliance.kernels.sampling import _exp, _log, best_score, scaled
+from blink_appliance.kernels.sampling_select import (
+    SELECT_BINS,
+    SELECT_LEVELS,
+    _add_level_bins,
+    _order_key,
+    _select_known,
+    _select_level,
+    _threshold,
+)
 
 # MASS_PRECISION: the nucleus's masses (the logsumexp's sums, the mass ranked before a candidate) use
 # x * (1/t) and the GPU's fast exp: a relative error near 1e-6 a term, below what summing 128k fp32
@@ -37,10 +52,11 @@ from blink_appliance.kernels.sampling import _exp, _log, best_score, gumbel, sca
 # a candidate whose mass ahead lies that close to top_p, as they could with exact terms. The race's
 # scores and the ranks stay exact.
 TIE_BAND = tl.constexpr(2.0**-20)  # logits this close (relatively) may tie once divided by t
-FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
+
 CUT_BINS = tl.constexpr(32)  # a top-k test's bins between the rejected winner and the row's max
 MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
-QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS  # a row queues at most a test per race and a race per test
+# A row queues at most a test per race, a race per test, and its select levels and the test after them.
+QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS + SELECT_LEVELS.value + 1
 QUEUE_COUNTERS = 4  # the queue's counters (kernels/sampling_rounds.py), each on a line of its own:
 COUNTER_STRIDE = 32  # int32s a 128-byte line
 
@@ -57,9 +73,11 @@ class RejectionRows:
     candidate: torch.Tensor  # [S] int64: the winner under test
     cut: torch.Tensor  # [S, 3] fp32: the region's top-k cut, _cut_bin(x, lo, scale) >= j; j = 0: none
     part_hist: torch.Tensor  # [S, C, CUT_BINS] int32: a top-k test's bins of the tokens above w
+    select: torch.Tensor  # [S, 3] int64: top-k with top-p, the threshold's select (sampling_select.py)
+    select_hist: torch.Tensor  # [S, SELECT_BINS] int32: a select level's bins; zero between levels
     part_score: torch.Tensor  # [S, C] fp32
     part_index: torch.Tensor  # [S, C] int64
-    part_max: torch.Tensor  # [S, C] fp32
+    part_max: torch.Tensor  # [S, C] fp32; a top-k with top-p test's mass at or above w, or the set's
     part_sum: torch.Tensor  # [S, C] fp32: sum of exp(x - part_max) over the chunk
     arrived: torch.Tensor  # [S] int32: chunks of the row done in this pass; the last one resets it to 0
     races: torch.Tensor  # [S] int32: chunked races the row has had this step
@@ -80,6 +98,7 @@ class RejectionRows:
             status=torch.zeros(rows, dtype=torch.int32, device=device), bound_x=f32(rows), bound_i=i64(rows),
             row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), cut=f32(rows, 3),
             part_hist=torch.zeros(rows, chunks, CUT_BINS.value, dtype=torch.int32, device=device),
+            select=i64(rows, 3), select_hist=torch.zeros(rows, SELECT_BINS.value, dtype=torch.int32, device=device),
             part_score=f32(rows, chunks),
             part_index=i64(rows, chunks), part_max=f32(rows, chunks), part_sum=f32(rows, chunks),
             arrived=torch.zeros(rows, dtype=torch.int32, device=device),
@@ -100,6 +119,12 @@ class SampleRows:
     min_p: torch.Tensor  # [S] fp32
     seed: torch.Tensor  # [S] int64
     output_index: torch.Tensor  # [S] int64
+
+
+@triton.jit
+def _both(top_k, top_p, V):
+    """A row with top-k and top-p: its nucleus is normalised over its top-k set (top_k >= V keeps all)."""
+    return (top_k > 0) & (top_k < V) & (top_p < 1.0)
 
 
 @triton.jit
@@ -126,12 +151,14 @@ def _cut_bin(x, lo, scale):
 
 @triton.jit
 def _race_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
-    row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
-    CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr,
+    bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+    part_sum_ptr, V, n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
+    TOP_K: tl.constexpr, BOTH: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of row r: the best race score in the row's region; the first round also writes the
-    chunk's max and sum of exp(x - max) for the row's logsumexp. Argmax rows race on the raw logits."""
+    chunk's max and sum of exp(x - max) for the row's logsumexp, and for a row with top-k and top-p
+    bins the first level of its select. Argmax rows race on the raw logits."""
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
     raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + idx, mask=inb, other=float("-inf"))
@@ -144,17 +171,26 @@ def _race_chunk(
         row = logits_ptr + tl.cast(r, tl.int64) * stride
         seed = tl.load(seed_ptr + r)
         out_index = tl.load(out_index_ptr + r)
-        if FIRST:  # the whole row is the region, and no cut holds yet this step
+        if FIRST:  # the whole row is the region, and no cut or select holds yet this step
             if TOP_K:
                 if c == 0:
                     tl.store(cut_ptr + r * 3 + 2, 0.0)
+            if BOTH:
+                if c == 0:
+                    tl.store(select_ptr + r * 3, tl.zeros([], tl.int64))  # no bytes chosen,
+                    tl.store(select_ptr + r * 3 + 2, tl.zeros([], tl.int64))  # at level 0
+                if _both(tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), V):  # (so level 0 as such here)
+                    key = _order_key(scaled(raw, t, PRECISE))
+                    _add_level_bins(
+                        r, key, inb, tl.zeros([], tl.int64), tl.zeros([], tl.int64), select_hist_ptr
+                    )
             # IEEE division by t > 0 keeps order, so the max of x / t is the max of x, divided once.
             hi = scaled(tl.max(raw, 0), t, PRECISE)
             tl.store(part_max_ptr + out, hi)
             if tl.load(top_p_ptr + r) < 1.0:  # only top-p reads the logsumexp (MASS_PRECISION)
                 q = tl.where(inb, tl.exp(raw * (1.0 / t) - hi), 0.0)
                 tl.store(part_sum_ptr + out, tl.sum(q, 0))
-            best, best_index = best_score(raw, idx, c * CHUNK, inb, seed, out_index, row, t, True, PRECISE)
+            best, best_index = best_score(raw, idx, c * CHUNK, inb, seed, out_index, row, t, PRECISE)
         else:
             x = tl.where(inb, scaled(raw, t, PRECISE), float("-inf"))
             region = inb & _ahead(x, idx, tl.load(bound_x_ptr + r), tl.load(bound_i_ptr + r))
@@ -166,12 +202,13 @@ def _race_chunk(
                     region = region & (
                         _cut_bin(x, tl.load(cut_ptr + r * 3), tl.load(cut_ptr + r * 3 + 1)) >= cut_j
                     )
+            if BOTH:
+                if _select_known(r, select_ptr):  # only rows with both select, so only theirs is known
+                    region = region & (_order_key(x) >= _threshold(r, select_ptr))
             best = tl.full([], float("-inf"), tl.float32)
             best_index = c * CHUNK
             if tl.max(region.to(tl.int32), 0) > 0:  # chunks outside the region skip the hash
-                best, best_index = best_score(
-                    raw, idx, c * CHUNK, region, seed, out_index, row, t, True, PRECISE
-                )
+                best, best_index = best_score(raw, idx, c * CHUNK, region, seed, out_index, row, t, PRECISE)
     tl.store(part_score_ptr + out, best)
     tl.store(part_index_ptr + out, best_index.to(tl.int64))
 
@@ -198,14 +235,16 @@ def _argmax_kernel(
         r = item // n_chunks
         _race_chunk(
             r, item % n_chunks, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr,
-            logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr, logits_ptr,
-            V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False, TOP_K=False,
+            logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr,
+            part_index_ptr, logits_ptr, logits_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
+            TOP_K=False, BOTH=False,
         )  # fmt: skip
         if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
             _pick_row(
-                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
-                logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,
-                logits_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False, TOP_K=False,
+                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr,
+                logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr,
+                part_index_ptr, logits_ptr, logits_ptr, V, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False,
+                TOP_K=False, BOTH=False,
             )  # fmt: skip
 
 
@@ -246,13 +285,13 @@ def _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, boun
 @triton.jit
 def _pick_row(
     r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-    bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-    part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
-    PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr, select_hist_ptr, part_score_ptr,
+    part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr,
+    ARGMAX: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
 ):  # fmt: skip
     """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
     min-p test; returns the row's new status. The first round also sets the row's max and
-    logsumexp. Partials are read past L1: other SMs wrote them."""
+    logsumexp, and takes the first level of a select. Partials are read past L1: other SMs wrote them."""
     offs = tl.arange(0, BLOCK_C)
     m = offs < n_chunks
     scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
@@ -276,6 +315,9 @@ def _pick_row(
             tl.store(bound_x_ptr + r, float("inf"))
             tl.store(bound_i_ptr + r, 9223372036854775807)
             row_max = hi
+            if BOTH:
+                if _both(tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), V):
+                    _select_level(r, top_k_ptr, select_ptr, select_hist_ptr)
         else:
             row_max = tl.load(row_max_ptr + r)
         if tl.max(scores, 0) > float("-inf"):  # an empty region (NaN logits) keeps the winner
@@ -290,15 +332,17 @@ def _pick_row(
 
 @triton.jit
 def _mass_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_mass_ptr,
-    part_count_ptr, part_hist_ptr, V, n_chunks, CHUNK: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
+    select_ptr, part_mass_ptr, part_count_ptr, part_hist_ptr, part_ref_ptr, V, n_chunks, CHUNK: tl.constexpr,
+    PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of row r under the test: for a top-p row the probability mass ranked before the
     candidate (MASS_PRECISION; the row's first pick set row_lse); with TOP_K, how many tokens lie
     strictly above it (top-k keeps every token at or above the k-th largest, ties included) and for a
-    top-k row those tokens in CUT_BINS bins. The rank is by x / t, exactly rounded; the logits themselves
-    rank the same except where rounding ties two of them, which only a logit within 2^-20 of the
-    candidate's can."""
+    top-k row those tokens in CUT_BINS bins; with BOTH, for a row with top-k and top-p, the mass at or
+    above the candidate instead, or once its select is known the top-k set's. The rank is by x / t,
+    exactly rounded; the logits themselves rank the same except where rounding ties two of them, which
+    only a logit within 2^-20 of the candidate's can."""
     row = logits_ptr + tl.cast(r, tl.int64) * stride
     t = tl.load(temperature_ptr + r)
     w = tl.load(candidate_ptr + r)
@@ -316,9 +360,23 @@ def _mass_chunk(
     else:
         ahead = inb & _ahead(raw, idx, raw_w, w)
         above = inb & (raw > raw_w)
+    cut = False
     if TOP_K:
         tl.store(part_count_ptr + r * n_chunks + c, tl.sum(above.to(tl.int32), 0).to(tl.int64))
-    if TOP_K and tl.load(top_k_ptr + r) > 0:  # top-k alone: with top-p too it takes the full variant
+        cut = tl.load(top_k_ptr + r) > 0
+    both = False
+    if BOTH:  # (top_k >= V with top-p: a top-p row, no cut)
+        both = _both(tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), V)
+        cut = cut & (tl.load(top_p_ptr + r) >= 1.0)
+    if both:  # no cut: the mass of the top-k set (or at or above w, until the select is known)
+        x = scaled(raw, t, PRECISE)
+        ref = tl.where(
+            _select_known(r, select_ptr), _threshold(r, select_ptr), _order_key(scaled(raw_w, t, PRECISE))
+        )
+        q = tl.exp(raw * (1.0 / t) - lse)
+        tl.store(part_ref_ptr + r * n_chunks + c, tl.sum(tl.where(inb & (_order_key(x) >= ref), q, 0.0), 0))
+        tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(tl.where(ahead, q, 0.0), 0))
+    elif cut:  # top-k alone
         x = scaled(raw, t, PRECISE)
         x_w = scaled(raw_w, t, PRECISE)
         v = _cut_bin(x, x_w, _cut_scale(tl.load(row_max_ptr + r), x_w))
@@ -334,12 +392,13 @@ def _mass_chunk(
 @triton.jit
 def _decide_row(
     r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-    bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, part_mass_ptr, part_count_ptr, part_hist_ptr, n_chunks,
-    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, select_ptr, part_mass_ptr, part_count_ptr, part_hist_ptr,
+    part_ref_ptr, V, n_chunks, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    BOTH: tl.constexpr,
 ):  # fmt: skip
     """Row r under the test: keep the candidate if it passes top-p and top-k (status 0), else shrink
     the region to the tokens ranked before it (status 1), and for top-k to the highest of the test's
-    bins that still hold top_k tokens; returns the status."""
+    bins that still hold top_k tokens; returns the status. A row with both: `_both_verdict`."""
     offs = tl.arange(0, BLOCK_C)
     part = tl.load(part_mass_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
     w = tl.load(candidate_ptr + r)
@@ -348,17 +407,38 @@ def _decide_row(
     )
     if TOP_K:
         top_k = tl.load(top_k_ptr + r)
+        top_p = tl.load(top_p_ptr + r)
         count = tl.load(
             part_count_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0, cache_modifier=".cg"
         )
-        kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), tl.load(top_p_ptr + r), top_k)
-        if (~kept) & (top_k > 0):
+        kept = _kept_by_test(tl.sum(part, 0), tl.sum(count, 0), top_p, top_k)
+        status = tl.where(kept, 0, 1)
+        both = False
+        if BOTH:
+            both = _both(top_k, top_p, V)
+        if both:
+            status = _both_verdict(r, tl.sum(part, 0), tl.sum(count, 0), top_p, top_k, select_ptr, part_ref_ptr,
+                                   n_chunks, BLOCK_C)  # fmt: skip
+        elif (~kept) & (top_k > 0) & (top_p >= 1.0):  # top-k alone
             _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK_C)
     else:
-        kept = _kept_by_test(tl.sum(part, 0), 0, tl.load(top_p_ptr + r), 0)
-    status = tl.where(kept, 0, 1)
+        status = tl.where(_kept_by_test(tl.sum(part, 0), 0, tl.load(top_p_ptr + r), 0), 0, 1)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status
+
+
+@triton.jit
+def _both_verdict(r, mass, n_above, top_p, top_k, select_ptr, part_ref_ptr, n_chunks, BLOCK_C: tl.constexpr):
+    """A row with top-k and top-p: its nucleus is normalised over the top-k set. A candidate in the
+    set is kept below top_p of the mass at or above it (which the set holds) and rejected at top_p of
+    the row's mass (which holds the set); with the set known, against the set's mass. Undecided, or
+    outside the set before it is known: the select goes on (status 3), and the row tests again after."""
+    offs = tl.arange(0, BLOCK_C)
+    ref = tl.load(part_ref_ptr + r * n_chunks + offs, mask=offs < n_chunks, other=0.0, cache_modifier=".cg")
+    in_set = n_above < top_k
+    known = _select_known(r, select_ptr)
+    kept = in_set & (mass < top_p * tl.sum(ref, 0))
+    return tl.where(kept, 0, tl.where(known | (in_set & (mass >= top_p)), 1, 3))
 
 
 @triton.jit
@@ -380,79 +460,6 @@ def _cut_row(r, x_w, top_k, row_max_ptr, cut_ptr, part_hist_ptr, n_chunks, BLOCK
         tl.store(cut_ptr + r * 3, x_w)
         tl.store(cut_ptr + r * 3 + 1, _cut_scale(tl.load(row_max_ptr + r), x_w))
         tl.store(cut_ptr + r * 3 + 2, j.to(tl.float32))
-
-
-@triton.jit
-def _finish_kernel(
-    logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-    sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, V,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, PRECISE: tl.constexpr,
-):  # fmt: skip
-    """One program per row still undecided: race and test over the whole row until a winner is kept.
-    The row's state stays in registers; only the kept token is written."""
-    r = tl.program_id(0)
-    status = tl.load(status_ptr + r, mask=r < tl.load(n_rows_ptr), other=0)  # rows past n_rows: stale
-    if status != 0:
-        row = logits_ptr + tl.cast(r, tl.int64) * stride
-        t = tl.load(temperature_ptr + r)
-        top_p = tl.load(top_p_ptr + r)
-        top_k = tl.load(top_k_ptr + r)
-        min_p = tl.load(min_p_ptr + r)
-        row_max = tl.load(row_max_ptr + r)
-        floor = _min_p_floor(row_max, min_p, PRECISE)
-        lse = tl.load(row_lse_ptr + r)
-        seed = tl.load(seed_ptr + r)
-        out_index = tl.load(out_index_ptr + r)
-        bx = tl.load(bound_x_ptr + r)
-        bi = tl.load(bound_i_ptr + r)
-        w = tl.load(candidate_ptr + r)
-        offs = tl.arange(0, BLOCK)
-        iters = 0
-        while (status != 0) & (iters < CAP):
-            if status == 1:
-                best = tl.full([], float("-inf"), tl.float32)
-                w = tl.full([], 0, tl.int64)
-                for start in range(0, V, BLOCK):
-                    idx = start + offs
-                    inb = idx < V
-                    x = scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
-                    region = inb & _ahead(x, idx, bx, bi) & (x >= floor)
-                    score = tl.where(region, gumbel(x, idx, seed, out_index, PRECISE), float("-inf"))
-                    chunk_best = tl.max(score, 0)
-                    better = chunk_best > best  # strictly: an earlier chunk keeps a tie
-                    w = tl.where(better, start + tl.argmax(score, 0).to(tl.int64), w)
-                    best = tl.maximum(best, chunk_best)
-                x_w = scaled(tl.load(row + w), t, PRECISE)
-                status = tl.where(
-                    best == float("-inf"), 0, _verdict(x_w, row_max, min_p, top_p, top_k, PRECISE)
-                )
-                bx = tl.where(status == 1, x_w, bx)
-                bi = tl.where(status == 1, w, bi)
-            else:
-                x_w = scaled(tl.load(row + w), t, PRECISE)
-                mass = tl.zeros([BLOCK], tl.float32)
-                count = tl.zeros([BLOCK], tl.int32)
-                for start in range(0, V, BLOCK):
-                    idx = start + offs
-                    inb = idx < V
-                    x = scaled(tl.load(row + idx, mask=inb, other=0.0), t, PRECISE)
-                    mass += tl.where(inb & _ahead(x, idx, x_w, w), _exp(x - lse, PRECISE), 0.0)
-                    count += (inb & (x > x_w)).to(tl.int32)
-                status = tl.where(_kept_by_test(tl.sum(mass, 0), tl.sum(count, 0), top_p, top_k), 0, 1)
-                bx = tl.where(status == 1, x_w, bx)
-                bi = tl.where(status == 1, w, bi)
-            iters += 1
-        if status != 0:  # past the cap: the row's first token, which every filter keeps
-            top = tl.full([], float("-inf"), tl.float32)
-            for start in range(0, V, BLOCK):
-                idx = start + offs
-                x = scaled(tl.load(row + idx, mask=idx < V, other=0.0), t, PRECISE)
-                x = tl.where(idx < V, x, float("-inf"))
-                better = tl.max(x, 0) > top
-                w = tl.where(better, start + tl.argmax(x, 0).to(tl.int64), w)
-                top = tl.maximum(top, tl.max(x, 0))
-        tl.store(sampled_ptr + r, w)
-        tl.store(status_ptr + r, 0)
 
 
 def _persistent(items: int, programs: int) -> int:

@@ -1,15 +1,16 @@
 """The rejection variant's rounds in one launch: a work queue of passes over a row's chunks.
 
 A task is one pass of one row over its chunks: the first race (tasks [0, n_rows), implied), a race
-in a shrunken region, or a top-p test (queued). Persistent programs take tickets of a few chunks
-each, in task order; the program that completes a row's pass decides the row and queues its next
-pass, if any. So rows still undecided cost what they read, with no launch, barrier or scan over
-settled rows between rounds, and one row's test overlaps other rows' races.
+in a shrunken region, a top-p / top-k test, or a level of a top-k threshold's select (queued).
+Persistent programs take tickets of a few chunks each, in task order; the program that completes a
+row's pass decides the row and queues its next pass, if any. So rows still undecided cost what they
+read, with no launch, barrier or scan over settled rows between rounds, and one row's test overlaps
+other rows' races.
 
 A program whose ticket names a task not queued yet waits for it, or for every row to settle. That
 cannot deadlock: a ticket is only taken by a running program, and a task is queued once its row's
 earlier pass, whose tickets all come before, is done. Rows still undecided after `rounds` races are
-left to `finish` (kernels/sampling_rejection.py), which is exact. The last program out resets the
+left to `finish` (kernels/sampling_finish.py), which is exact. The last program out resets the
 queue for the next step.
 """
 
@@ -18,21 +19,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from blink_appliance.kernels.sampling_finish import FINISH_CAP, _finish_kernel
 from blink_appliance.kernels.sampling_rejection import (
     COUNTER_STRIDE,
-    FINISH_CAP,
     MAX_ROUNDS,
     QUEUE_COUNTERS,
     RejectionRows,
     SampleRows,
     _decide_row,
-    _finish_kernel,
     _last_to_arrive,
     _mass_chunk,
     _persistent,
     _pick_row,
     _race_chunk,
 )
+from blink_appliance.kernels.sampling_select import _select_chunk, _select_row
 
 # RejectionRows.counters, a 128-byte line each: the programs waiting on SETTLED don't slow the takes
 # of NEXT_TICKET.
@@ -46,6 +47,7 @@ LINE = tl.constexpr(COUNTER_STRIDE)
 FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
+SELECT = tl.constexpr(3)  # a level of a top-k with top-p row's threshold select (sampling_select.py)
 TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80-96, 5-6 an SM)
 NUM_WARPS = 4
@@ -93,6 +95,8 @@ def _after_pass(r, status, first, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl
     tl.debug_barrier()
     if status == 2:
         _queue(queue_ptr, counters_ptr, r, TEST)
+    elif status == 3:
+        _queue(queue_ptr, counters_ptr, r, SELECT)
     elif (status == 1) & (races < ROUNDS):
         tl.store(races_ptr + r, races + 1)
         _queue(queue_ptr, counters_ptr, r, RACE)
@@ -116,52 +120,68 @@ def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
 def _pass_chunks(
     r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr,
     out_index_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
-    cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr,
-    queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-    PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    cut_ptr, select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
+    arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
 ):  # fmt: skip
     """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
     and queues what follows. A test's partial masses reuse part_sum (the row's first pick folded its
-    sums into row_lse) and its counts part_index (the race's pick has read it)."""
+    sums into row_lse), its counts part_index (the race's pick has read it) and its top-k set's masses
+    part_max (the first pick's)."""
+    select = False  # a select pass: only rows with both queue one, so it is compiled in with BOTH alone
+    if BOTH:  # (an empty select branch still cost the other variants' registers)
+        select = kind == SELECT
     for c in range(start, stop):
-        if kind == TEST:
+        if select:
+            _select_chunk(
+                r, c, logits_ptr, stride, temperature_ptr, select_ptr, select_hist_ptr, V, CHUNK, PRECISE
+            )
+        elif kind == TEST:
             _mass_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, top_k_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
-                part_sum_ptr, part_index_ptr, part_hist_ptr, V, n_chunks, CHUNK, PRECISE, TOP_K,
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, candidate_ptr, row_max_ptr,
+                row_lse_ptr, select_ptr, part_sum_ptr, part_index_ptr, part_hist_ptr, part_max_ptr, V, n_chunks,
+                CHUNK, PRECISE, TOP_K, BOTH,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             _race_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K,
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, select_hist_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False,
+                PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
         else:
             _race_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-                part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K,
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, select_hist_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False,
+                PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
-        if kind == TEST:
+        if select:
+            status = _select_row(
+                r, logits_ptr, stride, temperature_ptr, top_k_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
+                candidate_ptr, select_ptr, select_hist_ptr, PRECISE,
+            )  # fmt: skip
+        elif kind == TEST:
             status = _decide_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, part_sum_ptr, part_index_ptr,
-                part_hist_ptr, n_chunks, BLOCK_C, PRECISE, TOP_K,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, cut_ptr, select_ptr, part_sum_ptr,
+                part_index_ptr, part_hist_ptr, part_max_ptr, V, n_chunks, BLOCK_C, PRECISE, TOP_K, BOTH,
             )  # fmt: skip
         elif kind == FIRST_RACE:
             tl.store(races_ptr + r, 1)
             status = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
-                PRECISE=PRECISE, TOP_K=TOP_K,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr, select_hist_ptr,
+                part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, BLOCK_C, FIRST=True,
+                ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
         else:
             status = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
-                PRECISE=PRECISE, TOP_K=TOP_K,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr, select_hist_ptr,
+                part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, BLOCK_C, FIRST=False,
+                ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
         _after_pass(r, status, kind == FIRST_RACE, queue_ptr, counters_ptr, races_ptr, ROUNDS)
 
@@ -170,9 +190,10 @@ def _pass_chunks(
 def _rounds_kernel(
     logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr,
-    part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr, queue_ptr,
-    counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
+    select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
+    arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr, TOP_K: tl.constexpr,
+    BOTH: tl.constexpr,
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
     groups = tl.cdiv(n_chunks, GROUP)
@@ -189,9 +210,10 @@ def _rounds_kernel(
             _pass_chunks(
                 payload // 4, start, tl.minimum(start + GROUP, n_chunks), payload % 4, logits_ptr, stride,
                 temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr, arrived_ptr, races_ptr, queue_ptr,
-                counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE, TOP_K,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr, select_ptr,
+                select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
+                arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE, TOP_K,
+                BOTH,
             )  # fmt: skip
     _leave(queue_ptr, counters_ptr, 256)
 
@@ -207,6 +229,7 @@ def race_and_test(
     programs: int,
     precise: bool,
     top_k: bool = True,
+    both: bool = False,
     ticket_chunks: int = TICKET_CHUNKS,
     max_registers: int | None = MAX_REGISTERS,
     finish_block: int = 2048,
@@ -214,7 +237,8 @@ def race_and_test(
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
     races per row (each followed by its top-p / top-k test) in one launch, then `finish` for any row
     still undecided. `top_k`: rows may have top-k (its count and cut are compiled in; without them the
-    kernel keeps the registers and speed of top-p rows alone). `max_registers` caps the queue kernel's
+    kernel keeps the registers and speed of top-p rows alone); `both`: rows may have top-k and top-p
+    (their select is compiled in too, which costs rows of top-k alone). `max_registers` caps the queue kernel's
     registers per thread (more programs per SM). Capturable: no host sync."""
     S, V = logits.shape
     C = state.part_score.shape[1]
@@ -233,14 +257,15 @@ def race_and_test(
     _rounds_kernel[(_persistent(S * C, programs),)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-        state.row_max, state.row_lse, state.cut, state.part_score, state.part_index, state.part_max,
-        state.part_sum, state.part_hist, state.arrived, state.races, state.queue, state.counters, V, C,
-        state.queue.numel(), ROUNDS=rounds, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise,
-        SLEEP=logits.is_cuda, TOP_K=top_k, num_warps=NUM_WARPS, **registers,
+        state.row_max, state.row_lse, state.cut, state.select, state.select_hist, state.part_score,
+        state.part_index, state.part_max, state.part_sum, state.part_hist, state.arrived, state.races, state.queue,
+        state.counters, V, C, state.queue.numel(), ROUNDS=rounds, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C),
+        GROUP=ticket_chunks, PRECISE=precise, SLEEP=logits.is_cuda, TOP_K=top_k or both, BOTH=both,
+        num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-        state.row_max, state.row_lse, V, BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP,
-        PRECISE=precise, num_warps=8,
+        state.row_max, state.row_lse, state.select, V, BLOCK=min(finish_block, triton.next_power_of_2(V)),
+        CAP=FINISH_CAP, PRECISE=precise, BOTH=both, num_warps=8,
     )  # fmt: skip

@@ -9,18 +9,18 @@ import triton
 import triton.language as tl
 from blink_appliance.kernels.prefix_cache import acquire_prefix, lookup_prefix, release_lanes, take_blocks
 from blink_appliance.kernels.sampling import (
-    SAMPLER_FULL,
     SAMPLER_GREEDY,
     SAMPLER_LOGPROBS,
     SAMPLER_PENALTIES,
     SAMPLER_REJECTION,
     SAMPLER_REJECTION_TOP_K,
+    SAMPLER_REJECTION_TOP_K_TOP_P,
 )
 
 _SAMPLER_GREEDY = tl.constexpr(SAMPLER_GREEDY)
 _SAMPLER_REJECTION = tl.constexpr(SAMPLER_REJECTION)
 _SAMPLER_REJECTION_TOP_K = tl.constexpr(SAMPLER_REJECTION_TOP_K)
-_SAMPLER_FULL = tl.constexpr(SAMPLER_FULL)
+_SAMPLER_REJECTION_TOP_K_TOP_P = tl.constexpr(SAMPLER_REJECTION_TOP_K_TOP_P)
 _SAMPLER_LOGPROBS = tl.constexpr(SAMPLER_LOGPROBS)
 _SAMPLER_PENALTIES = tl.constexpr(SAMPLER_PENALTIES)
 _INT32_MAX = tl.constexpr(2**31 - 1)
@@ -294,9 +294,8 @@ def write_sample_rows(samples, row, slot, logits_row, slots, step):
     )
     tl.store(step.row_output_index + row, generated.to(tl.int64), mask=samples)
     random = samples & (temperature > 0.0)
-    # Top-k with top-p takes the sorting variant: the nucleus is normalised over the top-k survivors.
     nucleus = tl.load(slots.top_p + slot, mask=samples, other=1.0) < 1.0
-    with_top_k = tl.where(nucleus, _SAMPLER_FULL, _SAMPLER_REJECTION_TOP_K)
+    with_top_k = tl.where(nucleus, _SAMPLER_REJECTION_TOP_K_TOP_P, _SAMPLER_REJECTION_TOP_K)
     need = tl.where(random, tl.where(top_k > 0, with_top_k, _SAMPLER_REJECTION), _SAMPLER_GREEDY)
     logprobs = samples & (tl.load(slots.lp_top_n + slot, mask=samples, other=-1) >= 0)
     # The penalties' variants also mask constrained rows (engine/loop/constraint.py).

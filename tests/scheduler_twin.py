@@ -26,12 +26,12 @@ if not torch.cuda.is_available():
 
 from blink_appliance.kernels.constraint import advance_rows  # noqa: E402
 from blink_appliance.kernels.sampling import (  # noqa: E402
-    SAMPLER_FULL,
     SAMPLER_GREEDY,
     SAMPLER_LOGPROBS,
     SAMPLER_PENALTIES,
     SAMPLER_REJECTION,
     SAMPLER_REJECTION_TOP_K,
+    SAMPLER_REJECTION_TOP_K_TOP_P,
     SAMPLER_SCORE,
 )
 
@@ -297,7 +297,7 @@ class Twin:
         need = [
             SAMPLER_GREEDY
             if p.temperature == 0
-            else SAMPLER_FULL
+            else SAMPLER_REJECTION_TOP_K_TOP_P
             if p.top_k > 0 and p.top_p < 1.0
             else SAMPLER_REJECTION_TOP_K
             if p.top_k > 0

@@ -78,20 +78,20 @@ def test_engine_body_is_schedule_bucket_switch_sampler_switch_commit():
 
     def greedy() -> None: ...
 
-    def full() -> None: ...
+    def sampled() -> None: ...
 
     def commit() -> None: ...
 
     bucket_index, sampler_index = _i32(), _i32()
     body = engine_body(
         bucket_index=bucket_index, sampler_index=sampler_index, forward=Buckets(),
-        schedule=schedule, samplers=(greedy, full), commit=commit,
+        schedule=schedule, samplers=(greedy, sampled), commit=commit,
     )  # fmt: skip
     assert body[0] is schedule and body[3] is commit
     bucket, sampler = body[1], body[2]
     assert bucket.value is bucket_index and sampler.value is sampler_index
     assert [list(b) for b in bucket.branches] == [[RawGraph(1008)], [RawGraph(1032)], [RawGraph(1128)]]
-    assert [list(b) for b in sampler.branches] == [[greedy], [full]]
+    assert [list(b) for b in sampler.branches] == [[greedy], [sampled]]
     steps = plan_body(body).steps
     assert steps == [
         CaptureStep([schedule, SetSwitches((0, 1))]),
@@ -241,7 +241,7 @@ def test_switches_route_to_real_forward_bucket_graphs(ring, control):
     it = torch.zeros(1, dtype=torch.int64, device="cuda")
     bucket_index, sampler_index, keep = _i32(0, "cuda"), _i32(0, "cuda"), _i32(1, "cuda")
     sampled = torch.zeros(R, dtype=torch.int64, device="cuda")
-    branch_runs = torch.zeros(4, dtype=torch.int64, device="cuda")  # bucket 8, bucket 32, greedy, "full"
+    branch_runs = torch.zeros(4, dtype=torch.int64, device="cuda")  # bucket 8, bucket 32, greedy, "sampled"
     logit_sums = torch.zeros(n, dtype=torch.float32, device="cuda")
     sampled_hist = torch.zeros(n, R, dtype=torch.int64, device="cuda")
 

@@ -19,10 +19,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from blink_appliance.kernels.sampling import (  # noqa: E402
-    SAMPLER_FULL,
     SAMPLER_GREEDY,
     SAMPLER_REJECTION,
     SAMPLER_REJECTION_TOP_K,
+    SAMPLER_REJECTION_TOP_K_TOP_P,
 )
 
 from blink_appliance.engine.loop.sampler import DeviceSampler  # noqa: E402
@@ -64,7 +64,7 @@ def variant_for(params: list[SamplingParams]) -> int:
     need = [
         SAMPLER_GREEDY
         if p.greedy
-        else SAMPLER_FULL
+        else SAMPLER_REJECTION_TOP_K_TOP_P
         if p.top_k > 0 and p.top_p < 1.0
         else SAMPLER_REJECTION_TOP_K
         if p.top_k > 0
@@ -75,14 +75,15 @@ def variant_for(params: list[SamplingParams]) -> int:
 
 
 def run_device(
-    logits: torch.Tensor, params, output_index, variant: int = SAMPLER_FULL, **options
+    logits: torch.Tensor, params, output_index, variant: int | None = None, **options
 ) -> torch.Tensor:
+    """The tokens of `variant` (by default the one schedule picks for these rows)."""
     rows, vocab = logits.shape
     state = make_state(rows, vocab)
     load_rows(state, params, output_index)
     buf = logits.to(DEVICE).contiguous()
     sampler = DeviceSampler(state, buf, **options)
-    state.sampler_index.fill_(variant)
+    state.sampler_index.fill_(variant_for(params) if variant is None else variant)
     sampler.run()
     return state.sampled.cpu()
 
@@ -105,14 +106,15 @@ def random_params(gen: torch.Generator, n: int, vocab: int) -> list[SamplingPara
     return out
 
 
-@pytest.mark.parametrize("vocab,candidates", [(300, 64), (1000, 256)])
-def test_full_sampler_equals_reference_on_random_rows(vocab, candidates):
+@pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 256)])
+def test_picked_variant_equals_reference_on_random_rows(vocab, chunk):
     gen = torch.Generator().manual_seed(vocab)
     rows = 48
     logits = torch.randn(rows, vocab, generator=gen) * 3
     params = random_params(gen, rows, vocab)
     index = torch.randint(0, 500, (rows,), generator=gen).tolist()
-    got = run_device(logits, params, index, candidates=candidates, race_chunk=256)
+    assert variant_for(params) == SAMPLER_REJECTION_TOP_K_TOP_P
+    got = run_device(logits, params, index, rejection_chunk=chunk)
     assert torch.equal(got, reference(logits, params, index)), [
         (r, p)
         for r, p in enumerate(params)
@@ -120,9 +122,9 @@ def test_full_sampler_equals_reference_on_random_rows(vocab, candidates):
     ]
 
 
-def test_ties_and_exact_fallback_paths():
-    """Integer logits (many ties, also at the candidates' edge), nuclei past the candidates, top_k past
-    them, top_p = 1, min_p in {0, 1}: the fast path and the exact-cut kernel must both agree."""
+def test_ties_large_top_k_and_large_nuclei():
+    """Integer logits (many ties, also at the top-k threshold and the nucleus edge), flat rows (nuclei
+    of hundreds of tokens), top_k up to the vocabulary, top_p = 1, min_p in {0, 1}."""
     gen = torch.Generator().manual_seed(7)
     rows, vocab = 24, 700
     logits = torch.randint(-4, 4, (rows, vocab), generator=gen).float()
@@ -139,23 +141,25 @@ def test_ties_and_exact_fallback_paths():
             )
         )
     index = list(range(rows))
-    got = run_device(logits, params, index, candidates=32, race_chunk=128)
+    got = run_device(logits, params, index, rejection_chunk=128)
     assert torch.equal(got, reference(logits, params, index))
 
 
-def test_greedy_rows_inside_the_full_path_and_row_independence():
+def test_greedy_rows_beside_random_ones_and_row_independence():
     gen = torch.Generator().manual_seed(3)
     rows, vocab = 8, 257
     logits = torch.randn(rows, vocab, generator=gen)
     logits[2, [5, 9, 200]] = 10.0  # a tie: lowest index wins
     params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.8, top_p=0.9, seed=r) for r in range(rows)]
     index = [0] * rows
-    got = run_device(logits, params, index, candidates=16, race_chunk=64)
+    got = run_device(logits, params, index, rejection_chunk=64)
     assert torch.equal(got, reference(logits, params, index))
     assert got[2] == 5
     # A row's token does not depend on the rows around it: shuffle and compare.
     perm = torch.randperm(rows, generator=gen)
-    shuffled = run_device(logits[perm], [params[i] for i in perm], [index[i] for i in perm], candidates=16)
+    shuffled = run_device(
+        logits[perm], [params[i] for i in perm], [index[i] for i in perm], rejection_chunk=64
+    )
     assert torch.equal(shuffled, got[perm])
 
 
@@ -180,22 +184,25 @@ def test_seeded_stream_depends_on_seed_and_output_index_only():
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
     params = [p, p, p, SamplingParams(temperature=1.0, top_p=0.95, seed=43), p, p]
     index = [0, 0, 1, 0, 2, 0]
-    got = run_device(logits, params, index, candidates=32, race_chunk=128)
+    got = run_device(logits, params, index, rejection_chunk=128)
     assert got[0] == got[1] == got[5]
     assert torch.equal(got, reference(logits, params, index))
-    draws = {int(run_device(logits[:1], [p], [i], candidates=32)[0]) for i in range(12)}
+    draws = {int(run_device(logits[:1], [p], [i])[0]) for i in range(12)}
     assert len(draws) > 1  # the output index moves the stream
 
 
-def test_unused_rows_are_greedy_and_never_fail():
+def test_rows_past_the_step_are_not_touched():
+    """Rows past num_sample_rows (stale logits, NaN here) are neither read nor written."""
     state = make_state(4, 100)
-    logits = torch.full((4, 100), float("nan"), device=DEVICE)  # stale/uninitialized rows
+    logits = torch.full((4, 100), float("nan"), device=DEVICE)
     logits[0] = torch.arange(100, dtype=torch.float32)
-    load_rows(state, [SamplingParams(temperature=1.0, top_k=5, seed=1)] * 4, [0] * 4)
-    state.sample_slot[1:] = -1
-    sampler = DeviceSampler(state, logits, candidates=16)
-    sampler.full()
+    load_rows(state, [SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=1)] * 4, [0] * 4)
+    state.num_sample_rows.fill_(1)
+    state.sampled.fill_(-3)
+    sampler = DeviceSampler(state, logits)
+    sampler.rejection_top_k_top_p()
     assert 95 <= state.sampled[0].item() <= 99
+    assert (state.sampled[1:] == -3).all()
 
 
 @pytest.mark.slow
@@ -214,8 +221,10 @@ def test_larger_vocab_matches_reference():
     not torch.cuda.is_available(), reason="needs a CUDA GPU (times the sampler at Llama-3 size)"
 )
 def test_cost_at_llama3_vocab_and_64_rows(capsys):
-    """V = 128256, S = 64: both variants captured in CUDA graphs and timed; the full variant equals the
-    reference on the same logits. Prints a table (run with -s)."""
+    """V = 128256, S = 64: greedy and the picked variant of a random mix (every filter, so top-k with
+    top-p too) captured in CUDA graphs and timed, equal to the reference on the same logits; then flat
+    top-p rows, which the rejection variant races most often. Prints a table (run with -s); the
+    variants' costs per mix are bench/sampler_profile.py's."""
     gen = torch.Generator().manual_seed(21)
     rows, vocab = 64, 128256
     logits = torch.randn(rows, vocab, generator=gen) * 4
@@ -226,9 +235,8 @@ def test_cost_at_llama3_vocab_and_64_rows(capsys):
     buf = logits.to(DEVICE)
     sampler = DeviceSampler(state, buf)
     timings = {}
-    # The full variant on a random mix with top_k past the 256 candidates (its slow path); the
-    # rejection variant's costs are bench/sampler_profile.py's.
-    for name, fn in (("greedy", sampler.greedy), ("full, mixed incl. top_k > 256", sampler.full)):
+    picked = sampler.variants()[variant_for(params)]
+    for name, fn in (("greedy", sampler.greedy), ("picked, a random mix", picked)):
         fn()  # compile, warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -243,19 +251,12 @@ def test_cost_at_llama3_vocab_and_64_rows(capsys):
         end.record()
         torch.cuda.synchronize()
         timings[name] = start.elapsed_time(end) / 20 * 1000
-    assert torch.equal(state.sampled.cpu(), reference(logits, params, index))  # the last replay: full
-    # A batch where every random row is plain top-p 0.95 at temperature 1 over flat logits: the nuclei
-    # exceed the candidates, so every row takes the exact-cut path (its worst case).
+    assert torch.equal(state.sampled.cpu(), reference(logits, params, index))  # the last replay: picked
     flat = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in range(rows)]
     load_rows(state, flat, index)
     buf.copy_(torch.randn(rows, vocab, generator=gen).mul_(0.5))
-    # ... and the same rows as schedule sends them (no top-k): the rejection variant.
-    for name, fn in (
-        ("full, every row exact-cut", sampler.full),
-        ("rejection, the same rows", sampler.rejection),
-    ):
-        timings[name] = _eager_us(fn)
-        assert torch.equal(state.sampled.cpu(), reference(buf.cpu(), flat, index)), name
+    timings["rejection, flat top_p 0.95"] = _eager_us(sampler.rejection)
+    assert torch.equal(state.sampled.cpu(), reference(buf.cpu(), flat, index))
     with capsys.disabled():
         print(f"\nDeviceSampler at V={vocab}, S={rows} ({torch.cuda.get_device_name()}):")
         for name, us in timings.items():
@@ -321,6 +322,77 @@ def test_rejection_variant_equals_reference_with_top_k_alone(vocab, chunk, round
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
 
 
+@pytest.mark.parametrize("rounds", [1, 3])
+@pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 128)])
+def test_rejection_variant_equals_reference_with_top_k_and_top_p(vocab, chunk, rounds):
+    """Rows with both (the random mix of every filter, so beside top-k or top-p alone): the reference
+    normalises the nucleus over the top-k set. Flat rows leave the bound test undecided, so selects
+    run (and with one round the finisher selects itself); integer rows tie at the k-th value."""
+    gen = torch.Generator().manual_seed(vocab + 100 * rounds)
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::4] *= 0.02
+    logits[1::6] = torch.randint(0, 4, (vocab,), generator=gen).float()  # few distinct values: ties
+    params = random_params(gen, rows, vocab)
+    params[:4] = [
+        SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=9 + k)
+        for k, p in ((40, 0.9), (5, 0.5), (200, 0.99), (vocab - 1, 0.9))
+    ]
+    assert sum(p.top_k > 0 and p.top_p < 1.0 and not p.greedy for p in params) >= 8
+    assert variant_for(params) == SAMPLER_REJECTION_TOP_K_TOP_P
+    index = torch.randint(0, 500, (rows,), generator=gen).tolist()
+    state = make_state(rows, vocab)
+    load_rows(state, params, index)
+    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=chunk, rejection_rounds=rounds)
+    sampler.rejection_top_k_top_p()
+    got, want = state.sampled[:rows].cpu(), reference(logits, params, index)
+    assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
+    if rounds > 1:  # some rows' selects ran in the chunked passes
+        assert (sampler._rejection.select[:rows, 2] == 4).any()
+
+
+def test_top_k_threshold_select_equals_the_kth_largest():
+    """The select alone, level by level through the queue: on rows of few distinct values (ties at
+    the threshold), of -0.0 beside 0.0, of -inf and of negatives, its threshold key is the k-th
+    largest x's."""
+    from blink_appliance.kernels.sampling_select import SELECT_LEVELS as LEVELS
+
+    SELECT_LEVELS = LEVELS.value
+
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 8, 500
+    logits = torch.randn(rows, vocab, generator=gen) * 0.01
+    logits[1] = torch.randint(-3, 3, (vocab,), generator=gen).float()
+    logits[2, ::2], logits[2, 1::2] = 0.0, -0.0
+    logits[2, :7] = 1.0
+    logits[3, 100:] = float("-inf")
+    logits[4] = -torch.rand(vocab, generator=gen) - 1.0
+    top_k = [37, 100, 9, 120, 250, 1, 2, 499]
+    params = [SamplingParams(temperature=0.5, top_k=k, top_p=0.3, seed=r) for r, k in enumerate(top_k)]
+    state = make_state(rows, vocab)
+    load_rows(state, params, list(range(rows)))
+    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=64, rejection_rounds=8)
+    sampler.rejection_top_k_top_p()
+    index = list(range(rows))
+    assert torch.equal(state.sampled[:rows].cpu(), reference(logits, params, index))
+    select = sampler._rejection.select[:rows].cpu()
+    x = logits / 0.5
+    for r, k in enumerate(top_k):
+        if select[r, 2] != SELECT_LEVELS:  # decided by the bounds: no select ran
+            continue
+        kth = x[r].topk(k).values[-1].item()
+        key = torch.tensor([kth + 0.0]).view(torch.int32).item()  # -0.0 keys as 0.0
+        key = key + 2**31 if key >= 0 else ~key
+        at_or_above = x[r][x[r] >= kth].numel()
+        assert select[r, 0].item() <= key, (r, k)
+        # Every key from the threshold up is a token at or above the k-th largest (an early exit's
+        # threshold lies below the k-th key, but no token lies between them).
+        keys = x[r].view(torch.int32).long()
+        keys = torch.where(x[r] == 0, 2**31, torch.where(keys >= 0, keys + 2**31, ~keys))
+        assert int((keys >= select[r, 0]).sum()) == at_or_above, (r, k)
+    assert (select[:, 2] == SELECT_LEVELS).sum() >= 4, select
+
+
 def test_top_k_cut_settles_flat_rows_in_few_races():
     """On flat rows a rejected race winner alone only halves the region, so top_k 1-100 of 4096 would
     take up to 8 races and the finisher; the test's bins cut the region to the highest bins holding
@@ -368,12 +440,13 @@ from tests.sm90_ptx import ptx_for_sm90
 f32, i32, i64 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.int32, torch.int64))
 pointers = dict(
     logits=f32, n_rows=i32, temperature=f32, top_p=f32, top_k=i64, min_p=f32, seed=i64, out_index=i64, sampled=i64,
-    status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, cut=f32, part_score=f32,
+    status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, cut=f32, select=i64,
+    select_hist=i32, part_score=f32,
     part_index=i64, part_max=f32, part_sum=f32, part_hist=i32, arrived=i32, races=i32, queue=i32, counters=i32,
 )
 args = {f"{name}_ptr": t for name, t in pointers.items()} | dict(stride=0, V=0, n_chunks=0, queue_size=0)
-for top_k in (False, True):
-    constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True, TOP_K=top_k)
+for top_k, both in ((False, False), (True, False), (True, True)):
+    constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True, TOP_K=top_k, BOTH=both)
     ptx = ptx_for_sm90(_rounds_kernel, args, constexprs, num_warps=4, scalar="i32")
     print(ptx.count("nanosleep.u32 1000"), ".acquire." in ptx, ".release." in ptx, ptx.count(".local"))
 """
@@ -394,7 +467,8 @@ def test_rounds_kernel_compiles_for_the_h100():
     ):
         pytest.skip(f"no CUDA compiler backend in this install: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in done.stdout.splitlines():  # without top-k, then with it
+    assert len(done.stdout.splitlines()) == 3, done.stdout
+    for line in done.stdout.splitlines():  # without top-k, with it, with the select too
         sleeps, acquire, release, local = line.split()
         assert int(sleeps) >= 1 and acquire == release == "True" and local == "0", done.stdout
 
@@ -435,8 +509,10 @@ def test_rejection_variant_on_ties_small_nuclei_and_greedy_rows():
 def test_variants_are_ordered_by_what_they_serve():
     state = make_state(2, 64)
     sampler = DeviceSampler(state, torch.zeros(2, 64, device=DEVICE))
-    assert sampler.variants() == (sampler.greedy, sampler.rejection, sampler.rejection_top_k, sampler.full)
-    assert SAMPLER_GREEDY < SAMPLER_REJECTION < SAMPLER_REJECTION_TOP_K < SAMPLER_FULL
+    assert sampler.variants() == (
+        sampler.greedy, sampler.rejection, sampler.rejection_top_k, sampler.rejection_top_k_top_p
+    )  # fmt: skip
+    assert SAMPLER_GREEDY < SAMPLER_REJECTION < SAMPLER_REJECTION_TOP_K < SAMPLER_REJECTION_TOP_K_TOP_P
 
 
 def test_with_penalties_and_logprobs_the_variants_are_the_plain_ones_then_each_after():

@@ -204,7 +204,7 @@ def test_penalized_requests_carry_their_penalties_and_biases_into_their_slots():
 
 def test_a_request_admitted_beside_running_ones_keeps_every_part_of_the_sampler_index():
     """Rows already running (greedy, with logprobs and a penalty) and a row admitted this step (top-k
-    sampling) need the full variant with logprobs after the penalties: 2 + 3 + 6."""
+    sampling) need the top-k variant with logprobs after the penalties: 2 + 4 + 8 (SAMPLER_*)."""
     t = Twin()
     t.front.submit(prompt(5, 1), SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, presence_penalty=0.5),
                    record={"lp_offset": 0})  # fmt: skip

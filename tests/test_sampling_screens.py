@@ -26,14 +26,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @triton.jit
 def _mass_kernel(
-    logits_ptr, t_ptr, top_k_ptr, candidate_ptr, lse_ptr, out_ptr, count_ptr, V, CHUNK: tl.constexpr,
+    logits_ptr, t_ptr, top_p_ptr, top_k_ptr, candidate_ptr, lse_ptr, out_ptr, count_ptr, V, CHUNK: tl.constexpr,
     PRECISE: tl.constexpr,
 ):  # fmt: skip
-    # A top-p row (top_k 0) in the top-k kernel (TOP_K, so it counts too): the row's max and the bins
-    # are not read, so t_ptr and count_ptr stand in.
+    # A top-p row (top_k 0) in the top-k kernel (TOP_K, so it counts too): the row's max, the select,
+    # the bins and the top-k set's mass are not read or written, so t_ptr and count_ptr stand in.
     _mass_chunk(
-        0, 0, logits_ptr, V, t_ptr, top_k_ptr, candidate_ptr, t_ptr, lse_ptr, out_ptr, count_ptr, count_ptr, V, 1,
-        CHUNK, PRECISE, True,
+        0, 0, logits_ptr, V, t_ptr, top_p_ptr, top_k_ptr, candidate_ptr, t_ptr, lse_ptr, count_ptr, out_ptr,
+        count_ptr, count_ptr, out_ptr, V, 1, CHUNK, PRECISE, True, False,
     )  # fmt: skip
 
 
@@ -50,7 +50,8 @@ def test_top_p_mass_ranks_by_rounded_x_over_t():
     out = torch.zeros(1, device=DEVICE)
     count = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     _mass_kernel[(1,)](
-        logits.to(DEVICE), torch.tensor([t], device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        logits.to(DEVICE), torch.tensor([t], device=DEVICE), torch.tensor([0.9], device=DEVICE),
+        torch.zeros(1, dtype=torch.int64, device=DEVICE),
         torch.tensor([5], device=DEVICE), lse.reshape(1).to(DEVICE), out, count, 64, CHUNK=64,
         PRECISE=DEVICE == "cuda",
     )  # fmt: skip

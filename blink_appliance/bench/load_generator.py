@@ -42,6 +42,7 @@ class LoadConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     top_p: float | None = None  # None: not sent (the server's default, 1.0 in the OpenAI API)
+    top_k: int | None = None  # vLLM's extension; None: not sent
     request_timeout_s: float = 600.0
     priority: int | None = None  # vLLM's extension, lower runs first; None: not sent
     stream: bool = True  # False: one JSON response (no per-token times; tokens from usage)
@@ -152,6 +153,8 @@ def request_body(config: LoadConfig, req: BenchRequest) -> dict[str, Any]:
         body["max_tokens"] = req.output_len
     if config.top_p is not None:
         body["top_p"] = config.top_p
+    if config.top_k is not None:
+        body["top_k"] = config.top_k
     if config.ignore_eos:
         body["ignore_eos"] = True  # a vLLM-style extension: output lengths exactly as asked
     if config.priority is not None:

@@ -4,46 +4,26 @@ Four capturable variants, chosen by state.sampler_index (a SWITCH in the loop's 
 reads it; schedule picks the cheapest that serves every row, kernels/sampling.py SAMPLER_*):
 `greedy` (argmax of every row), `rejection` (temperature, top-p, min-p: the exponential race with
 the counter-based RNG, without sorting; kernels/sampling_rejection.py), `rejection_top_k` (the same
-kernels compiled with top-k's count and cut, for rows with top-k but not top-p) and `full` (the same
-and top-k with top-p in one row). All read GpuForward.logits [S, V] fp32 (row r = sample row r) and the row_* tensors
-schedule wrote, and write state.sampled [S] int64. Static shapes, no host sync, no allocation that
-depends on data: they run inside a CUDA graph. `greedy` and both `rejection` variants touch rows
-[0, state.num_sample_rows) only; `full` samples every row, rows with sample_slot < 0 greedily
-(commit ignores them).
+kernels compiled with top-k's count and cut, for rows with top-k but not top-p) and
+`rejection_top_k_top_p` (compiled with the select of the top-k set's threshold too, for rows with
+both). All read GpuForward.logits [S, V] fp32 (row r = sample row r) and the row_* tensors schedule
+wrote, write state.sampled [S] int64, and touch rows [0, state.num_sample_rows) only. Static shapes,
+no host sync, no allocation that depends on data: they run inside a CUDA graph.
 
-`full` gives the tokens engine/reference/sampler.py `sample()` gives for the same logits and parameters
-(docs/engine.md "Sampling"), row by row, independent of the other rows:
+Each gives the tokens engine/reference/sampler.py `sample()` gives for the same logits and
+parameters (docs/engine.md "Sampling"), row by row, independent of the other rows: the kept sets and
+the random numbers are exact; the masses of a top-p test are summed in another order than the
+reference's (kernels/sampling_rejection.py MASS_PRECISION), so a token can differ only where the mass
+ranked before a candidate lies within that rounding of top_p.
 
-1. x = logits / temperature (torch; greedy rows divide by 1, so x = logits).
-2. Candidates: the `candidates` largest x of every row (torch.topk), put in (value descending,
-   index ascending) order. The top-k threshold is the k-th candidate; the top-p nucleus is the
-   reference's sequential prefix sum over the candidates, with the logsumexp over all top-k
-   survivors (kernels/sampling.masked_logsumexp, one read of x). Together they give the cut
-   (v_cut, i_cut): the last kept token of the kept prefix.
-   The cut is exact when k <= candidates and the nucleus ends inside the candidates strictly above
-   the smallest one (or every survivor is a candidate): the reference's own fast-path condition.
-3. Rows where it is not (top_k > candidates, a nucleus reaching past the candidates, ties at the
-   candidates' edge) take kernels/sampling.exact_cut: bisection over the row's float order, one
-   program per row; the rows that do not need it return at once.
-4. min-p: x >= max(x) + log(min_p).
-5. kernels/sampling.race: score = x - log(-log(u)) over the kept tokens (greedy rows: x), best per
-   vocabulary chunk; the chunks are reduced with argmax (ties: lowest index).
-
-Equality with the reference is exact in the kept sets and the random numbers; the only difference
-is floating-point summation order where the reference's cannot be copied (the logsumexp, the
-exact-cut path's masses, cumsum on the GPU), and the last ulp of log/exp between math libraries: a
-token can differ only when two candidates' scores (or a nucleus boundary and top_p) agree to within a
-few ulps (0 differences in 1440 random rows on the CPU, ties and fallbacks included).
-
-Measured on the H100 at V = 128256 (bench/results/2026-11-26-h100-loop-at-shipped-geometry.md):
-greedy 0.009 ms at one row, 0.030 ms at 64; rejection 0.02-0.03 ms at one row, 0.074 ms
-(temperature) and 0.103 ms (top_p 0.9) at 64; full 0.29 ms at one row, 0.45 ms at 64, and 1.9-2.4
-ms when rows take the exact-cut path (top_k > 256, or a top-p nucleus past the candidates).
+Measured on the H200 at V = 128256 (bench/results/2026-11-29-h200-top-k-top-p-select.md): greedy
+0.008 ms at one row, 0.020 ms at 64; rejection 0.02-0.04 ms at one row and 0.05-0.10 ms at 64; top-k
+alone 0.03-0.06 ms and 0.09-0.19 ms; top-k with top-p 0.05-0.29 ms and 0.19-0.52 ms, where the sorting
+variant this replaced took 0.28-3.3 ms and 0.43-3.5 ms.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 
@@ -55,20 +35,14 @@ from blink_appliance.engine.loop.logprobs import DeviceLogprobs, DevicePromptLog
 from blink_appliance.engine.loop.penalties import DevicePenalties
 from blink_appliance.engine.loop.state import DeviceState
 from blink_appliance.kernels.sampling import (
-    INT64_MAX,
-    SAMPLER_FULL,
     SAMPLER_GREEDY,
     SAMPLER_REJECTION,
     SAMPLER_REJECTION_TOP_K,
-    exact_cut,
-    masked_logsumexp,
-    race,
+    SAMPLER_REJECTION_TOP_K_TOP_P,
 )
 from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows
 from blink_appliance.kernels.sampling_rounds import MAX_REGISTERS, TICKET_CHUNKS, race_and_test
 
-CANDIDATES = 256  # sorted candidates per row (as the reference's TOP_P_CANDIDATES)
-RACE_CHUNK = 2048  # vocabulary entries per race program
 REJECTION_CHUNK = 2048  # vocabulary entries per chunk of the rejection variant and greedy argmax (H100 sweep)
 REJECTION_ROUNDS = (
     3  # chunked rounds before the one-program-per-row finisher (H100, 64 rows: 3 beat 2 on the mean)
@@ -81,15 +55,13 @@ def _interpreted() -> bool:
 
 
 class DeviceSampler:
-    """Samples one token per row of `logits` into state.sampled; `greedy()` / `full()` are capturable."""
+    """Samples one token per row of `logits` into state.sampled; every variant is capturable."""
 
     def __init__(
         self,
         state: DeviceState,
         logits: torch.Tensor,
         *,
-        candidates: int = CANDIDATES,
-        race_chunk: int = RACE_CHUNK,
         rejection_chunk: int = REJECTION_CHUNK,
         rejection_rounds: int = REJECTION_ROUNDS,
         programs_per_sm: int = PROGRAMS_PER_SM,
@@ -105,21 +77,12 @@ class DeviceSampler:
             raise ValueError(f"the sampler reads fp32 logits, got {logits.dtype}")
         if rows != state.sampled.shape[0]:
             raise ValueError(f"logits have {rows} rows; the loop samples {state.sampled.shape[0]}")
-        if candidates < 1:
-            raise ValueError(f"candidates must be >= 1, got {candidates}")
         self.state = state
         self.logits = logits
         self.vocab_size = vocab
-        self.candidates = min(candidates, vocab)
-        self.race_chunk = min(race_chunk, triton.next_power_of_2(vocab))
         device = logits.device
         # The Triton kernels use libdevice's log/exp on the GPU (torch's own), numpy's when interpreted.
         self.precise = device.type == "cuda" and not _interpreted()
-        self._x = torch.empty_like(logits)
-        n_chunks = triton.cdiv(vocab, self.race_chunk)
-        self._part_score = torch.empty(rows, n_chunks, dtype=torch.float32, device=device)
-        self._part_index = torch.empty(rows, n_chunks, dtype=torch.int64, device=device)
-        self._lse = torch.empty(rows, dtype=torch.float32, device=device)
         self.rejection_chunk = min(rejection_chunk, triton.next_power_of_2(vocab))
         self.rejection_rounds = rejection_rounds
         self.rejection_ticket_chunks = rejection_ticket_chunks
@@ -131,7 +94,7 @@ class DeviceSampler:
         self.programs = programs_per_sm * sms
         by_index = {
             SAMPLER_GREEDY: self.greedy, SAMPLER_REJECTION: self.rejection,
-            SAMPLER_REJECTION_TOP_K: self.rejection_top_k, SAMPLER_FULL: self.full,
+            SAMPLER_REJECTION_TOP_K: self.rejection_top_k, SAMPLER_REJECTION_TOP_K_TOP_P: self.rejection_top_k_top_p,
         }  # fmt: skip
         base = tuple(by_index[i] for i in range(len(by_index)))
         # Then each again followed by the logprob rows (SAMPLER_LOGPROBS + i), and all of those again
@@ -153,61 +116,13 @@ class DeviceSampler:
             variants += tuple(self._after_scoring(v) for v in variants)
         self._variants = variants  # host mode looks one up per step
 
-    # -- the two variants (capturable) --------------------------------------------------------------
+    # -- the variants (capturable) --------------------------------------------------------------
     def greedy(self) -> None:
         """argmax of the step's rows, ties to the lowest index (as torch.argmax and the reference)."""
         argmax_rows(
             self.logits, self.state.num_sample_rows, self._rejection, self.state.sampled,
             chunk=self.rejection_chunk, programs=self.programs,
         )  # fmt: skip
-
-    def full(self) -> None:
-        st = self.state
-        V, K = self.vocab_size, self.candidates
-        random = (st.sample_slot >= 0) & (st.row_temperature > 0)
-        temperature = torch.where(random, st.row_temperature, 1.0)
-        x = torch.div(self.logits, temperature[:, None], out=self._x)
-
-        cand, cand_index = x.topk(K, dim=-1)
-        # topk's order among equal values is unspecified: lower index first, as the reference.
-        by_index = cand_index.argsort(dim=-1)
-        cand, cand_index = cand.gather(1, by_index), cand_index.gather(1, by_index)
-        cand, order = cand.sort(dim=-1, descending=True, stable=True)
-        cand_index = cand_index.gather(1, order)
-
-        top_k, top_p, min_p = st.row_top_k, st.row_top_p, st.row_min_p
-        on_k = random & (top_k > 0) & (top_k < V)
-        kth = cand.gather(1, (top_k.clamp(1, K) - 1)[:, None])[:, 0]
-        threshold = torch.where(on_k, kth, -math.inf)
-        k_exact = ~on_k | (top_k <= K)
-
-        on_p = random & (top_p < 1.0)
-        lse = self._lse
-        masked_logsumexp(x, cand[:, 0].contiguous(), threshold, lse, self.precise)
-        cand_masked = cand.masked_fill(cand < threshold[:, None], -math.inf)
-        probs = (cand_masked - lse[:, None]).exp()
-        before = probs.cumsum(dim=-1) - probs
-        keep = before < top_p[:, None]
-        keep[:, 0] = True
-        n_kept = keep.sum(dim=-1)
-        n_survivors = (cand >= threshold[:, None]).sum(dim=-1)
-        last = (torch.minimum(n_kept, n_survivors) - 1).clamp(min=0)[:, None]  # NaN rows: 0 survivors
-        last_kept = cand.gather(1, (n_kept.clamp(max=K) - 1)[:, None])[:, 0]
-        p_exact = ~on_p | (n_survivors < K) | ((n_kept < K) & (last_kept > cand[:, K - 1]))
-
-        v_cut = torch.where(on_p, cand.gather(1, last)[:, 0], threshold)
-        i_cut = torch.where(on_p, cand_index.gather(1, last)[:, 0], INT64_MAX)
-        min_p_cut = cand[:, 0] + torch.log(min_p)  # log 0 = -inf keeps all
-        exact = (~random | (k_exact & p_exact)).to(torch.int32)
-        random_i32 = random.to(torch.int32)
-        exact_cut(x, random_i32, exact, top_k, top_p, v_cut, i_cut, self.precise)
-
-        race(
-            x, random_i32, st.row_seed, st.row_output_index, v_cut, i_cut, min_p_cut,
-            self._part_score, self._part_index, self.race_chunk, self.precise,
-        )  # fmt: skip
-        best = self._part_score.argmax(dim=-1, keepdim=True)  # first (lowest) chunk among equal scores
-        st.sampled.copy_(self._part_index.gather(1, best)[:, 0])
 
     def rejection(self) -> None:
         """Rows without top-k: race the row, test the winner against min-p and top-p, and race again
@@ -222,7 +137,14 @@ class DeviceSampler:
         since that code costs top-p rows 2-17 µs in the register-capped kernel."""
         self._race_and_test(top_k=True)
 
-    def _race_and_test(self, *, top_k: bool) -> None:
+    def rejection_top_k_top_p(self) -> None:
+        """`rejection_top_k`, and rows with top-k and top-p, whose nucleus the reference normalises over
+        the top-k set: their test bounds that set's mass, and where the bounds cannot decide, a select
+        finds the set's threshold (kernels/sampling_select.py). Its own variant, since that code costs
+        rows of top-k alone."""
+        self._race_and_test(top_k=True, both=True)
+
+    def _race_and_test(self, *, top_k: bool, both: bool = False) -> None:
         st = self.state
         rows = SampleRows(
             n_rows=st.num_sample_rows, temperature=st.row_temperature, top_p=st.row_top_p, top_k=st.row_top_k,
@@ -230,7 +152,7 @@ class DeviceSampler:
         )  # fmt: skip
         race_and_test(
             self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
-            rounds=self.rejection_rounds, programs=self.programs, precise=self.precise, top_k=top_k,
+            rounds=self.rejection_rounds, programs=self.programs, precise=self.precise, top_k=top_k, both=both,
             ticket_chunks=self.rejection_ticket_chunks, max_registers=self.rejection_max_registers,
         )  # fmt: skip
 
