@@ -18,8 +18,8 @@ the race winner over the kept set is found by racing over a *region* that holds 
   normalised over the top-k set, whose mass is unknown until its threshold is: the test sums the
   mass at or above w instead of cutting (inside that set when w passes top-k), and decides when that
   bound or the whole row's mass does; otherwise select passes find the threshold
-  (kernels/sampling_select.py; the first race bins its first level), and w is tested again against
-  the set's exact mass, or the race runs again inside the set.
+  (kernels/sampling_select.py), and w is tested again against the set's exact mass, or the race runs
+  again inside the set.
 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
@@ -39,10 +39,8 @@ from blink_appliance.kernels.sampling import _exp, _log, best_score, scaled
 from blink_appliance.kernels.sampling_select import (
     SELECT_BINS,
     SELECT_LEVELS,
-    _add_level_bins,
     _order_key,
     _select_known,
-    _select_level,
     _threshold,
 )
 
@@ -151,14 +149,13 @@ def _cut_bin(x, lo, scale):
 
 @triton.jit
 def _race_chunk(
-    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr,
-    bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
-    part_sum_ptr, V, n_chunks, CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr,
-    TOP_K: tl.constexpr, BOTH: tl.constexpr,
+    r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr, bound_x_ptr, bound_i_ptr,
+    row_max_ptr, cut_ptr, select_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks,
+    CHUNK: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr,
+    BOTH: tl.constexpr,
 ):  # fmt: skip
     """Chunk c of row r: the best race score in the row's region; the first round also writes the
-    chunk's max and sum of exp(x - max) for the row's logsumexp, and for a row with top-k and top-p
-    bins the first level of its select. Argmax rows race on the raw logits."""
+    chunk's max and sum of exp(x - max) for the row's logsumexp. Argmax rows race on the raw logits."""
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
     raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + idx, mask=inb, other=float("-inf"))
@@ -179,11 +176,6 @@ def _race_chunk(
                 if c == 0:
                     tl.store(select_ptr + r * 3, tl.zeros([], tl.int64))  # no bytes chosen,
                     tl.store(select_ptr + r * 3 + 2, tl.zeros([], tl.int64))  # at level 0
-                if _both(tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), V):  # (so level 0 as such here)
-                    key = _order_key(scaled(raw, t, PRECISE))
-                    _add_level_bins(
-                        r, key, inb, tl.zeros([], tl.int64), tl.zeros([], tl.int64), select_hist_ptr
-                    )
             # IEEE division by t > 0 keeps order, so the max of x / t is the max of x, divided once.
             hi = scaled(tl.max(raw, 0), t, PRECISE)
             tl.store(part_max_ptr + out, hi)
@@ -235,16 +227,14 @@ def _argmax_kernel(
         r = item // n_chunks
         _race_chunk(
             r, item % n_chunks, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr,
-            logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr,
-            part_index_ptr, logits_ptr, logits_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False,
-            TOP_K=False, BOTH=False,
+            logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,
+            logits_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=True, PRECISE=False, TOP_K=False, BOTH=False,
         )  # fmt: skip
         if _last_to_arrive(arrived_ptr, r, n_chunks, 1):
             _pick_row(
-                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr,
-                logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr,
-                part_index_ptr, logits_ptr, logits_ptr, V, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False,
-                TOP_K=False, BOTH=False,
+                r, logits_ptr, stride, logits_ptr, logits_ptr, logits_ptr, logits_ptr, sampled_ptr, status_ptr, logits_ptr,
+                logits_ptr, logits_ptr, logits_ptr, logits_ptr, part_score_ptr, part_index_ptr, logits_ptr,
+                logits_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=True, PRECISE=False, TOP_K=False,
             )  # fmt: skip
 
 
@@ -285,13 +275,13 @@ def _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, boun
 @triton.jit
 def _pick_row(
     r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-    bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr, select_hist_ptr, part_score_ptr,
-    part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr,
-    ARGMAX: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
+    bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr, part_index_ptr, part_max_ptr,
+    part_sum_ptr, n_chunks, BLOCK_C: tl.constexpr, FIRST: tl.constexpr, ARGMAX: tl.constexpr,
+    PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
     min-p test; returns the row's new status. The first round also sets the row's max and
-    logsumexp, and takes the first level of a select. Partials are read past L1: other SMs wrote them."""
+    logsumexp. Partials are read past L1: other SMs wrote them."""
     offs = tl.arange(0, BLOCK_C)
     m = offs < n_chunks
     scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
@@ -315,9 +305,6 @@ def _pick_row(
             tl.store(bound_x_ptr + r, float("inf"))
             tl.store(bound_i_ptr + r, 9223372036854775807)
             row_max = hi
-            if BOTH:
-                if _both(tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), V):
-                    _select_level(r, top_k_ptr, select_ptr, select_hist_ptr)
         else:
             row_max = tl.load(row_max_ptr + r)
         if tl.max(scores, 0) > float("-inf"):  # an empty region (NaN logits) keeps the winner

@@ -144,17 +144,17 @@ def _pass_chunks(
             )  # fmt: skip
         elif kind == FIRST_RACE:
             _race_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, select_hist_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False,
-                PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, part_score_ptr, part_index_ptr,
+                part_max_ptr, part_sum_ptr, V, n_chunks, CHUNK, FIRST=True, ARGMAX=False, PRECISE=PRECISE,
+                TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
         else:
             _race_chunk(
-                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, select_hist_ptr, part_score_ptr,
-                part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False,
-                PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
+                r, c, logits_ptr, stride, temperature_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_index_ptr,
+                bound_x_ptr, bound_i_ptr, row_max_ptr, cut_ptr, select_ptr, part_score_ptr, part_index_ptr,
+                part_max_ptr, part_sum_ptr, V, n_chunks, CHUNK, FIRST=False, ARGMAX=False, PRECISE=PRECISE,
+                TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
         if select:
@@ -172,16 +172,16 @@ def _pass_chunks(
             tl.store(races_ptr + r, 1)
             status = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr, select_hist_ptr,
-                part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, BLOCK_C, FIRST=True,
-                ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
+                PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
         else:
             status = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
-                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr, select_hist_ptr,
-                part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, V, n_chunks, BLOCK_C, FIRST=False,
-                ARGMAX=False, PRECISE=PRECISE, TOP_K=TOP_K, BOTH=BOTH,
+                bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
+                part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
+                PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
         _after_pass(r, status, kind == FIRST_RACE, queue_ptr, counters_ptr, races_ptr, ROUNDS)
 

@@ -9,10 +9,11 @@ their next byte, and the level keeps the bin that holds the k-th of them. A bin 
 the tokens still needed settles it early; the threshold is then the smallest key of that bin.
 
 A row's select state is `RejectionRows.select` [S, 3] int64: the bytes chosen (or, once done, the
-threshold key), the tokens still needed below them, and the level (SELECT_LEVELS: done). The chunks of
-a level add their bins into `select_hist` [S, SELECT_BINS], which the level's decision reads and zeroes.
-The row's first race bins the first level and its pick decides it (sampling_rejection.py), so a
-select costs at most three passes of its own (`_select_chunk`, `_select_row`).
+threshold key), the tokens still needed below them, and the level (SELECT_LEVELS: done). The chunks
+of a level add their bins into `select_hist` [S, SELECT_BINS], which the level's decision reads and
+zeroes. A level is a pass of its own (`_select_chunk`, `_select_row`), so a select costs up to four:
+binning the first level in the row's first race instead was slower
+(bench/results/2026-11-29-h200-top-k-top-p-select.md).
 """
 
 from __future__ import annotations
@@ -58,25 +59,17 @@ def _choose_byte(hist, need):
 
 
 @triton.jit
-def _add_level_bins(r, key, inb, prefix, level, select_hist_ptr):
-    """Add the tokens `key` (where inb) at select level `level` into row r's bins, skipping empty
-    bins: past the first level nearly all are."""
-    hist = _level_hist(key, inb, prefix, level)
-    bins = tl.arange(0, SELECT_BINS)
-    tl.atomic_add(select_hist_ptr + r * SELECT_BINS + bins, hist, mask=hist > 0, sem="relaxed")
-
-
-@triton.jit
 def _select_chunk(r, c, logits_ptr, stride, temperature_ptr, select_ptr, select_hist_ptr, V, CHUNK: tl.constexpr,
                   PRECISE: tl.constexpr):  # fmt: skip
-    """Chunk c of row r at its select level."""
+    """Chunk c of row r at its select level: its bins added into the row's (skipping empty ones, which
+    past the first level are nearly all)."""
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
     raw = tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + idx, mask=inb, other=0.0)
     key = _order_key(scaled(raw, tl.load(temperature_ptr + r), PRECISE))
-    _add_level_bins(
-        r, key, inb, tl.load(select_ptr + r * 3), tl.load(select_ptr + r * 3 + 2), select_hist_ptr
-    )
+    hist = _level_hist(key, inb, tl.load(select_ptr + r * 3), tl.load(select_ptr + r * 3 + 2))
+    bins = tl.arange(0, SELECT_BINS)
+    tl.atomic_add(select_hist_ptr + r * SELECT_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit

@@ -18,7 +18,7 @@ ranked before a candidate lies within that rounding of top_p.
 
 Measured on the H200 at V = 128256 (bench/results/2026-11-29-h200-top-k-top-p-select.md): greedy
 0.008 ms at one row, 0.020 ms at 64; rejection 0.02-0.04 ms at one row and 0.05-0.10 ms at 64; top-k
-alone 0.03-0.06 ms and 0.09-0.19 ms; top-k with top-p 0.05-0.29 ms and 0.19-0.52 ms, where the sorting
+alone 0.03-0.06 ms and 0.09-0.19 ms; top-k with top-p 0.04-0.29 ms and 0.16-0.52 ms, where the sorting
 variant this replaced took 0.28-3.3 ms and 0.43-3.5 ms.
 """
 
