@@ -41,6 +41,7 @@ from blink_appliance.kernels.sampling_select import (
     SELECT_LEVELS,
     _order_key,
     _select_known,
+    _select_level,
     _threshold,
 )
 
@@ -350,11 +351,13 @@ def _mass_chunk(
     cut = False
     if TOP_K:
         tl.store(part_count_ptr + r * n_chunks + c, tl.sum(above.to(tl.int32), 0).to(tl.int64))
-        cut = tl.load(top_k_ptr + r) > 0
+        top_k = tl.load(top_k_ptr + r)
+        cut = top_k > 0
     both = False
     if BOTH:  # (top_k >= V with top-p: a top-p row, no cut)
-        both = _both(tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), V)
-        cut = cut & (tl.load(top_p_ptr + r) >= 1.0)
+        top_p = tl.load(top_p_ptr + r)
+        both = _both(top_k, top_p, V)
+        cut = cut & (top_p >= 1.0)
     if both:  # no cut: the mass of the top-k set (or at or above w, until the select is known)
         x = scaled(raw, t, PRECISE)
         ref = tl.where(
@@ -426,6 +429,25 @@ def _both_verdict(r, mass, n_above, top_p, top_k, select_ptr, part_ref_ptr, n_ch
     known = _select_known(r, select_ptr)
     kept = in_set & (mass < top_p * tl.sum(ref, 0))
     return tl.where(kept, 0, tl.where(known | (in_set & (mass >= top_p)), 1, 3))
+
+
+@triton.jit
+def _select_row(
+    r, logits_ptr, stride, temperature_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
+    candidate_ptr, select_ptr, select_hist_ptr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """A select pass of row r is done: its next status. 3 while the threshold is not known; then 2,
+    the candidate's test, if it is in the top-k set, else 1, a race in the set (ranked before the
+    candidate, as the whole set is)."""
+    w = tl.load(candidate_ptr + r)
+    x_w = scaled(
+        tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
+    )
+    status = tl.full([], 3, tl.int32)
+    if _select_level(r, top_k_ptr, select_ptr, select_hist_ptr):
+        status = tl.where(_order_key(x_w) >= _threshold(r, select_ptr), 2, 1)
+    _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
+    return status
 
 
 @triton.jit

@@ -32,8 +32,9 @@ from blink_appliance.kernels.sampling_rejection import (
     _persistent,
     _pick_row,
     _race_chunk,
+    _select_row,
 )
-from blink_appliance.kernels.sampling_select import _select_chunk, _select_row
+from blink_appliance.kernels.sampling_select import _select_chunk
 
 # RejectionRows.counters, a 128-byte line each: the programs waiting on SETTLED don't slow the takes
 # of NEXT_TICKET.
@@ -159,8 +160,8 @@ def _pass_chunks(
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
         if select:
             status = _select_row(
-                r, logits_ptr, stride, temperature_ptr, top_k_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
-                candidate_ptr, select_ptr, select_hist_ptr, PRECISE,
+                r, logits_ptr, stride, temperature_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
+                bound_i_ptr, candidate_ptr, select_ptr, select_hist_ptr, PRECISE,
             )  # fmt: skip
         elif kind == TEST:
             status = _decide_row(

@@ -11,7 +11,8 @@ the tokens still needed settles it early; the threshold is then the smallest key
 A row's select state is `RejectionRows.select` [S, 3] int64: the bytes chosen (or, once done, the
 threshold key), the tokens still needed below them, and the level (SELECT_LEVELS: done). The chunks
 of a level add their bins into `select_hist` [S, SELECT_BINS], which the level's decision reads and
-zeroes. A level is a pass of its own (`_select_chunk`, `_select_row`), so a select costs up to four:
+zeroes. A level is a pass of its own (`_select_chunk`, then `_select_level` decides it), so a select
+costs up to four:
 binning the first level in the row's first race instead was slower
 (bench/results/2026-11-29-h200-top-k-top-p-select.md).
 """
@@ -104,26 +105,6 @@ def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr):
         tl.store(select_ptr + r * 3 + 1, need.to(tl.int64))
         tl.store(select_ptr + r * 3 + 2, level)
     return done
-
-
-@triton.jit
-def _select_row(r, logits_ptr, stride, temperature_ptr, top_k_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
-                candidate_ptr, select_ptr, select_hist_ptr, PRECISE: tl.constexpr):  # fmt: skip
-    """A select pass of row r is done: its next status. 3 while the threshold is not known; then 2,
-    the candidate's test, if it is in the top-k set, else 1, a race in the set (ranked before the
-    candidate, as the whole set is)."""
-    status = tl.full([], 3, tl.int32)
-    if _select_level(r, top_k_ptr, select_ptr, select_hist_ptr):
-        w = tl.load(candidate_ptr + r)
-        x_w = scaled(
-            tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
-        )
-        status = tl.where(_order_key(x_w) >= _threshold(r, select_ptr), 2, 1)
-        if status == 1:
-            tl.store(bound_x_ptr + r, x_w)
-            tl.store(bound_i_ptr + r, w)
-    tl.store(status_ptr + r, status)
-    return status
 
 
 @triton.jit
