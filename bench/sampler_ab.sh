@@ -3,12 +3,15 @@
 # commit packed as .whl/base.tar.gz, as for bench/loop_ab.sh): bench/sampler_profile.py per tree
 # (every mix checked against the reference, then timed), and with a second argument `step`, the
 # host-driven step at batch 64, greedy and sampled (t0.7, top_p 0.9), at the shipped geometry.
-# Usage, on the GPU host: bash bench/sampler_ab.sh OUT_DIR [step] [ROWS]
+# CAPACITY=256 allocates the sampler's rows as the loop does at the shipped max_seqs (this tree's
+# bench/sampler_profile.py is copied into the base for it).
+# Usage, on the GPU host: [CAPACITY=256] bash bench/sampler_ab.sh OUT_DIR [step] [ROWS]
 set -uo pipefail
 out=${1:?OUT_DIR}
 mode=${2:-sampler}
 rows=${3:-1,64}
 source bench/ab_trees.sh
+cp bench/sampler_profile.py /tmp/base/bench/
 for tree in ${AB_ORDER:-base new}; do  # AB_ORDER="new base" to see whether the order moves the numbers
   dir=$here; [ $tree = base ] && dir=/tmp/base
   install "$dir"
@@ -17,7 +20,8 @@ for tree in ${AB_ORDER:-base new}; do  # AB_ORDER="new base" to see whether the 
       --batches 64 --sampled 0 1 --steps 30 --no-loop --out "$out/step-$tree.json" 2>&1 \
       | grep -v -i warn | grep "^| 8192" | sed "s/^/$tree /")
   else
-    (cd "$dir" && PYTHONPATH=. timeout 240 python3 bench/sampler_profile.py --rows "$rows" --out "$out/$tree" 2>&1 \
+    (cd "$dir" && PYTHONPATH=. timeout 240 python3 bench/sampler_profile.py --rows "$rows" --capacity "${CAPACITY:-0}" \
+      --out "$out/$tree" 2>&1 \
       | grep -v -i warn | python3 -c '
 import json, sys
 for line in sys.stdin:

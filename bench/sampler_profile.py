@@ -1,6 +1,6 @@
 """What the device sampler costs per sampling mix, logit shape and batch size. One device call.
 
-    PYTHONPATH=. python3 bench/sampler_profile.py [--rows 1,64] [--vocab 128256] [--out DIR]
+    PYTHONPATH=. python3 bench/sampler_profile.py [--rows 1,64] [--capacity 256] [--vocab 128256] [--out DIR]
 
 Per case (a logit shape, a sampling mix with every row the same, a row count), after checking the
 tokens of the variant schedule picks against the reference sampler (engine/reference/sampler.py):
@@ -96,23 +96,29 @@ def top_kernels(fn, calls: int = 5, top: int = 8) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def run_case(shape: str, mix: str, rows: int, vocab: int, device: str) -> dict:
-    logits = logits_of(shape, rows, vocab, device)
+def run_case(shape: str, mix: str, rows: int, vocab: int, device: str, capacity: int = 0) -> dict:
+    """`capacity`: the sampler's rows (the loop's max_seqs), of which the first `rows` are live; 0: rows."""
+    capacity = max(capacity, rows)
+    logits = torch.zeros(capacity, vocab, device=device)
+    logits[:rows] = logits_of(shape, rows, vocab, device)
     params = [SamplingParams(seed=1000 + r, max_tokens=1, **MIXES[mix]) for r in range(rows)]
     output_index = [r % 7 for r in range(rows)]
-    state = make_state(rows, vocab)
+    state = make_state(capacity, vocab)
     load_rows(state, params, output_index)
     sampler = DeviceSampler(state, logits)
     variant = variant_for(params)
     picked = sampler.variants()[variant]
 
     picked()
-    want = sample(logits.cpu(), SamplingTensors.build(params, [p.seed for p in params], output_index, "cpu"))
-    mismatches = int((state.sampled.cpu() != want).sum())
+    want = sample(
+        logits[:rows].cpu(), SamplingTensors.build(params, [p.seed for p in params], output_index, "cpu")
+    )
+    mismatches = int((state.sampled[:rows].cpu() != want).sum())
     result = {
         "shape": shape,
         "mix": mix,
         "rows": rows,
+        "capacity": capacity,
         "variant": VARIANT_NAMES[variant],
         "mismatches": mismatches,
         "greedy_ms": graph_ms(sampler.greedy, device),
@@ -171,6 +177,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64", help="comma-separated row counts (empty: none)")
     ap.add_argument("--vocab", type=int, default=None, help="default: 128256 on a GPU, 2000 interpreted")
     ap.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="sampler rows allocated, as the loop's max_seqs (the shipped 256); 0: the live rows")  # fmt: skip
     ap.add_argument("--tune", nargs="?", const="all", choices=("all", "quick"),
                     help="also sweep the rejection variant's knobs (quick: the grid alone, twice)")  # fmt: skip
     args = ap.parse_args()
@@ -178,13 +186,13 @@ def main() -> None:
     vocab = args.vocab or (128256 if device == "cuda" else 2000)
     row_counts = [int(n) if device == "cuda" else min(int(n), 8) for n in args.rows.split(",") if n]
     env = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreted)",
-           "torch": torch.__version__, "rows": row_counts, "vocab": vocab}  # fmt: skip
+           "torch": torch.__version__, "rows": row_counts, "vocab": vocab, "capacity": args.capacity}  # fmt: skip
     print(json.dumps(env), flush=True)
     results = []
     for rows in row_counts:
         for shape in ("flat", "peaked"):
             for mix in MIXES:
-                r = run_case(shape, mix, rows, vocab, device)
+                r = run_case(shape, mix, rows, vocab, device, args.capacity)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     tuning = tune(vocab, device, QUICK_KNOBS if args.tune == "quick" else TUNE_KNOBS) if args.tune else []
@@ -199,7 +207,7 @@ def main() -> None:
     def over(r: dict) -> str:
         return "-" if r["greedy_ms"] is None else f"+{r['picked_ms'] - r['greedy_ms']:.3f}"
 
-    print(f"\nV = {vocab}, {env['device']}")
+    print(f"\nV = {vocab}, capacity {args.capacity or 'the live rows'}, {env['device']}")
     print("| rows | logits | mix | variant | greedy ms | variant ms | over greedy | mismatches |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -106,9 +106,10 @@ def _after_pass(r, status, first, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl
 
 
 @triton.jit
-def _leave(queue_ptr, counters_ptr, BLOCK: tl.constexpr):
-    """Count this program out; the last one resets the queue's slots and counters for the next step."""
-    if tl.atomic_add(counters_ptr + OUT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+def _leave(queue_ptr, counters_ptr, active, BLOCK: tl.constexpr):
+    """Count this program out; the last of the `active` ones resets the queue's slots and counters
+    for the next step."""
+    if tl.atomic_add(counters_ptr + OUT, 1, sem="acq_rel") == active - 1:
         tail = tl.load(counters_ptr + TAIL)
         for start in range(0, tail, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -198,7 +199,10 @@ def _rounds_kernel(
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
     groups = tl.cdiv(n_chunks, GROUP)
-    running = n_rows > 0
+    # A row has one pass in flight at a time, so no more than a pass's tickets per row can be busy:
+    # the grid is sized for max_seqs rows, and the programs past those leave before touching a counter.
+    active = tl.minimum(tl.num_programs(0), n_rows * groups)
+    running = tl.program_id(0) < active
     while running:
         ticket = tl.atomic_add(counters_ptr + NEXT_TICKET, 1, sem="relaxed")
         task = ticket // groups
@@ -216,7 +220,8 @@ def _rounds_kernel(
                 arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE, TOP_K,
                 BOTH,
             )  # fmt: skip
-    _leave(queue_ptr, counters_ptr, 256)
+    if tl.program_id(0) < active:
+        _leave(queue_ptr, counters_ptr, active, 256)
 
 
 def race_and_test(

@@ -299,7 +299,8 @@ def test_rejection_variant_equals_reference_without_top_k(vocab, chunk, rounds):
 def test_rejection_queue_is_reset_for_the_next_step():
     """The rounds run as one launch over a work queue (kernels/sampling_rounds.py); its last program
     out resets the queue, so the next step's rows (other output indices, fewer rows) are sampled
-    right and the queue is left empty again."""
+    right and the queue is left empty again. With fewer rows than the grid can keep busy (9 and 1
+    rows of 7 chunks, 64 programs) only the busy ones count out."""
     gen = torch.Generator().manual_seed(5)
     rows, vocab = 16, 400
     logits = (
@@ -308,13 +309,13 @@ def test_rejection_queue_is_reset_for_the_next_step():
     params = [SamplingParams(temperature=1.0, top_p=[0.3, 0.9, 1.0][r % 3], seed=40 + r) for r in range(rows)]
     state = make_state(rows, vocab)
     sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=64, rejection_rounds=3)
-    for step, n in enumerate([rows, 9, rows]):
+    for step, n in enumerate([rows, 9, 1, rows]):
         index = [step * 7 + r for r in range(n)]
         load_rows(state, params[:n], index)
         sampler.rejection()
         assert torch.equal(state.sampled[:n].cpu(), reference(logits[:n], params[:n], index)), step
         queue = sampler._rejection
-        assert (queue.races[:n] > 1).any()  # some rows were raced again inside the launch
+        assert n == 1 or (queue.races[:n] > 1).any()  # some rows were raced again inside the launch
         assert (queue.queue == -1).all() and (queue.counters == 0).all()
 
 
