@@ -434,17 +434,17 @@ def _both_verdict(r, mass, n_above, top_p, top_k, select_ptr, part_ref_ptr, n_ch
 @triton.jit
 def _select_row(
     r, logits_ptr, stride, temperature_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
-    candidate_ptr, select_ptr, select_hist_ptr, PRECISE: tl.constexpr,
+    candidate_ptr, select_ptr, select_hist_ptr, PRECISE: tl.constexpr, GATHER_CAP: tl.constexpr,
 ):  # fmt: skip
-    """A select pass of row r is done: its next status. 3 while the threshold is not known; then 2,
-    the candidate's test, if it is in the top-k set, else 1, a race in the set (ranked before the
-    candidate, as the whole set is)."""
+    """A select pass of row r is done: its next status. 3 while the threshold is not known (or the
+    row gathers next); then 2, the candidate's test, if it is in the top-k set, else 1, a race in the
+    set (ranked before the candidate, as the whole set is)."""
     w = tl.load(candidate_ptr + r)
     x_w = scaled(
         tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
     )
     status = tl.full([], 3, tl.int32)
-    if _select_level(r, top_k_ptr, select_ptr, select_hist_ptr):
+    if _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, GATHER_CAP):
         status = tl.where(_order_key(x_w) >= _threshold(r, select_ptr), 2, 1)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status

@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 from blink_appliance.kernels.sampling_finish import FINISH_CAP, _finish_kernel
+from blink_appliance.kernels.sampling_gather import GATHER_CAP, GATHERED, _gather_chunk, _gathering
 from blink_appliance.kernels.sampling_rejection import (
     COUNTER_STRIDE,
+    CUT_BINS,
     MAX_ROUNDS,
     QUEUE_COUNTERS,
     RejectionRows,
@@ -125,16 +127,27 @@ def _pass_chunks(
     cut_ptr, select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
     arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
+    GATHER_CAP: tl.constexpr,
 ):  # fmt: skip
     """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
     and queues what follows. A test's partial masses reuse part_sum (the row's first pick folded its
     sums into row_lse), its counts part_index (the race's pick has read it) and its top-k set's masses
-    part_max (the first pick's)."""
+    part_max (the first pick's); a gathering row's indices part_hist (sampling_gather.py)."""
     select = False  # a select pass: only rows with both queue one, so it is compiled in with BOTH alone
+    gather = False  # a select pass that gathers the row's candidates
     if BOTH:  # (an empty select branch still cost the other variants' registers)
         select = kind == SELECT
+        if select & (GATHER_CAP > 0):
+            gather = _gathering(r, select_ptr)
+    row_words = n_chunks * CUT_BINS  # a row's part_hist
     for c in range(start, stop):
-        if select:
+        if gather:
+            if GATHER_CAP > 0:  # (compiled only where a row can gather)
+                _gather_chunk(
+                    r, c, logits_ptr, stride, temperature_ptr, select_ptr, part_hist_ptr, row_words, V, CHUNK,
+                    GATHER_CAP, PRECISE,
+                )  # fmt: skip
+        elif select:
             _select_chunk(
                 r, c, logits_ptr, stride, temperature_ptr, select_ptr, select_hist_ptr, V, CHUNK, PRECISE
             )
@@ -159,10 +172,13 @@ def _pass_chunks(
                 TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
-        if select:
+        if gather:  # the finisher ranks the candidates (its registers are not capped)
+            status = tl.full([], GATHERED, tl.int32)
+            tl.store(status_ptr + r, status)
+        elif select:
             status = _select_row(
                 r, logits_ptr, stride, temperature_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-                bound_i_ptr, candidate_ptr, select_ptr, select_hist_ptr, PRECISE,
+                bound_i_ptr, candidate_ptr, select_ptr, select_hist_ptr, PRECISE, GATHER_CAP,
             )  # fmt: skip
         elif kind == TEST:
             status = _decide_row(
@@ -195,7 +211,7 @@ def _rounds_kernel(
     select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
     arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr, TOP_K: tl.constexpr,
-    BOTH: tl.constexpr,
+    BOTH: tl.constexpr, GATHER_CAP: tl.constexpr = 0,
 ):  # fmt: skip
     n_rows = tl.load(n_rows_ptr)
     groups = tl.cdiv(n_chunks, GROUP)
@@ -218,7 +234,7 @@ def _rounds_kernel(
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr, select_ptr,
                 select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
                 arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE, TOP_K,
-                BOTH,
+                BOTH, GATHER_CAP,
             )  # fmt: skip
     if tl.program_id(0) < active:
         _leave(queue_ptr, counters_ptr, active, 256)
@@ -239,13 +255,16 @@ def race_and_test(
     ticket_chunks: int = TICKET_CHUNKS,
     max_registers: int | None = MAX_REGISTERS,
     finish_block: int = 2048,
+    gather_cap: int = GATHER_CAP,
 ) -> None:
     """sampled[r] = the race winner over row r's kept tokens, r < n_rows: up to `rounds` chunked
     races per row (each followed by its top-p / top-k test) in one launch, then `finish` for any row
     still undecided. `top_k`: rows may have top-k (its count and cut are compiled in; without them the
     kernel keeps the registers and speed of top-p rows alone); `both`: rows may have top-k and top-p
     (their select is compiled in too, which costs rows of top-k alone). `max_registers` caps the queue kernel's
-    registers per thread (more programs per SM). Capturable: no host sync."""
+    registers per thread (more programs per SM). `gather_cap`: the most candidates such a row gathers
+    to be decided from (sampling_gather.py; 0: never, a power of two, cut to what part_hist holds).
+    Capturable: no host sync."""
     S, V = logits.shape
     C = state.part_score.shape[1]
     if C != triton.cdiv(V, chunk):
@@ -254,6 +273,10 @@ def race_and_test(
         )
     if not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
+    if gather_cap & (gather_cap - 1):
+        raise ValueError(f"the gather cap is sorted in one program: a power of two or 0, got {gather_cap}")
+    while gather_cap > C * CUT_BINS:
+        gather_cap //= 2
     registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
     if registers:
         # No more programs than fit at once: one past them gets a slot only when a resident one
@@ -267,11 +290,12 @@ def race_and_test(
         state.part_index, state.part_max, state.part_sum, state.part_hist, state.arrived, state.races, state.queue,
         state.counters, V, C, state.queue.numel(), ROUNDS=rounds, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C),
         GROUP=ticket_chunks, PRECISE=precise, SLEEP=logits.is_cuda, TOP_K=top_k or both, BOTH=both,
-        num_warps=NUM_WARPS, **registers,
+        GATHER_CAP=gather_cap if both else 0, num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-        state.row_max, state.row_lse, state.select, V, BLOCK=min(finish_block, triton.next_power_of_2(V)),
-        CAP=FINISH_CAP, PRECISE=precise, BOTH=both, num_warps=8,
+        state.row_max, state.row_lse, state.select, state.part_hist, C * CUT_BINS, V,
+        BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP, PRECISE=precise, BOTH=both,
+        GATHER_CAP=gather_cap if both else 0, num_warps=8,
     )  # fmt: skip

@@ -25,6 +25,7 @@ from blink_appliance.kernels.sampling import scaled
 
 SELECT_BINS = tl.constexpr(256)  # a byte of the key a level
 SELECT_LEVELS = tl.constexpr(4)  # 32-bit keys; the level field's value once the threshold is known
+GATHERING = tl.constexpr(5)  # the level field's value while the row gathers (sampling_gather.py)
 
 
 @triton.jit
@@ -85,19 +86,26 @@ def _threshold(r, select_ptr):
 
 
 @triton.jit
-def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr):
+def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, GATHER_CAP: tl.constexpr):
     """Row r's level is binned: keep the byte of the k-th token and zero the bins for the next level.
-    Returns whether the threshold is now known."""
+    Returns whether the threshold is now known. When at most GATHER_CAP tokens lie from the kept
+    bin's smallest key up, the row gathers them instead (GATHERING; sampling_gather.py)."""
     bins = tl.arange(0, SELECT_BINS)
     hist = tl.load(select_hist_ptr + r * SELECT_BINS + bins, cache_modifier=".cg")
     tl.store(select_hist_ptr + r * SELECT_BINS + bins, tl.zeros([SELECT_BINS], tl.int32))
     level = tl.load(select_ptr + r * 3 + 2)
-    need = tl.where(level == 0, tl.load(top_k_ptr + r), tl.load(select_ptr + r * 3 + 1))
+    top_k = tl.load(top_k_ptr + r)
+    need = tl.where(level == 0, top_k, tl.load(select_ptr + r * 3 + 1))
     b, in_b, need = _choose_byte(hist, need)
     prefix = tl.load(select_ptr + r * 3) * 256 + b
     level += 1
-    done = (in_b == need) | (level == SELECT_LEVELS)
-    if done:  # every key from the bin's smallest up is in the set
+    gather = top_k - need + in_b <= GATHER_CAP  # the tokens above the bin, and the bin's
+    done = ((in_b == need) | (level == SELECT_LEVELS)) & ~gather
+    if gather:
+        tl.store(select_ptr + r * 3, prefix << (32 - 8 * level))
+        tl.store(select_ptr + r * 3 + 1, tl.zeros([], tl.int64))
+        tl.store(select_ptr + r * 3 + 2, tl.full([], GATHERING, tl.int64))
+    elif done:  # every key from the bin's smallest up is in the set
         tl.store(select_ptr + r * 3, prefix << (32 - 8 * level))
         tl.store(select_ptr + r * 3 + 2, tl.full([], SELECT_LEVELS, tl.int64))
     else:

@@ -321,6 +321,7 @@ def test_rejection_queue_is_reset_for_the_next_step():
 
 _COMPILE_ROUNDS_FOR_H100 = """
 import torch
+from blink_appliance.kernels.sampling_gather import GATHER_CAP
 from blink_appliance.kernels.sampling_rounds import _rounds_kernel
 from tests.sm90_ptx import ptx_for_sm90
 f32, i32, i64 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.int32, torch.int64))
@@ -331,8 +332,9 @@ pointers = dict(
     part_index=i64, part_max=f32, part_sum=f32, part_hist=i32, arrived=i32, races=i32, queue=i32, counters=i32,
 )
 args = {f"{name}_ptr": t for name, t in pointers.items()} | dict(stride=0, V=0, n_chunks=0, queue_size=0)
-for top_k, both in ((False, False), (True, False), (True, True)):
-    constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True, TOP_K=top_k, BOTH=both)
+for top_k, both, gather in ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, GATHER_CAP)):
+    constexprs = dict(ROUNDS=3, CHUNK=2048, BLOCK_C=64, GROUP=1, PRECISE=True, SLEEP=True, TOP_K=top_k, BOTH=both,
+                      GATHER_CAP=gather)
     ptx = ptx_for_sm90(_rounds_kernel, args, constexprs, num_warps=4, scalar="i32")
     print(ptx.count("nanosleep.u32 1000"), ".acquire." in ptx, ".release." in ptx, ptx.count(".local"))
 """
@@ -353,8 +355,8 @@ def test_rounds_kernel_compiles_for_the_h100():
     ):
         pytest.skip(f"no CUDA compiler backend in this install: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.splitlines()) == 3, done.stdout
-    for line in done.stdout.splitlines():  # without top-k, with it, with the select too
+    assert len(done.stdout.splitlines()) == 4, done.stdout
+    for line in done.stdout.splitlines():  # without top-k, with it, with the select, and gathering too
         sleeps, acquire, release, local = line.split()
         assert int(sleeps) >= 1 and acquire == release == "True" and local == "0", done.stdout
 

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from blink_appliance.kernels.sampling import SAMPLER_REJECTION_TOP_K, SAMPLER_REJECTION_TOP_K_TOP_P  # noqa: E402
-from blink_appliance.kernels.sampling_select import SELECT_LEVELS  # noqa: E402
+from blink_appliance.kernels.sampling_gather import GATHER_CAP  # noqa: E402
+from blink_appliance.kernels.sampling_select import GATHERING, SELECT_LEVELS  # noqa: E402
 
 from tests.test_device_sampler import (  # noqa: E402
     DEVICE,
@@ -31,6 +32,7 @@ from tests.test_device_sampler import (  # noqa: E402
 )
 
 LEVELS = SELECT_LEVELS.value  # a select's level field once its threshold is known
+GATHERED = GATHERING.value  # and once the row gathered its candidates
 
 
 @pytest.mark.parametrize("rounds", [1, 3])
@@ -59,12 +61,14 @@ def test_rejection_variant_equals_reference_with_top_k_alone(vocab, chunk, round
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
 
 
+@pytest.mark.parametrize("gather_cap", [0, GATHER_CAP])
 @pytest.mark.parametrize("rounds", [1, 3])
 @pytest.mark.parametrize("vocab,chunk", [(300, 64), (1000, 128)])
-def test_rejection_variant_equals_reference_with_top_k_and_top_p(vocab, chunk, rounds):
+def test_rejection_variant_equals_reference_with_top_k_and_top_p(vocab, chunk, rounds, gather_cap):
     """Rows with both (the random mix of every filter, so beside top-k or top-p alone): the reference
     normalises the nucleus over the top-k set. Flat rows leave the bound test undecided, so selects
-    run (and with one round the finisher selects itself); integer rows tie at the k-th value."""
+    run (and with one round the finisher selects itself) and, with a gather cap, rows whose kept bin
+    leaves few candidates are decided from them; integer rows tie at the k-th value."""
     gen = torch.Generator().manual_seed(vocab + 100 * rounds)
     rows = 48
     logits = torch.randn(rows, vocab, generator=gen) * 3
@@ -80,12 +84,21 @@ def test_rejection_variant_equals_reference_with_top_k_and_top_p(vocab, chunk, r
     index = torch.randint(0, 500, (rows,), generator=gen).tolist()
     state = make_state(rows, vocab)
     load_rows(state, params, index)
-    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=chunk, rejection_rounds=rounds)
+    sampler = DeviceSampler(
+        state,
+        logits.to(DEVICE),
+        rejection_chunk=chunk,
+        rejection_rounds=rounds,
+        rejection_gather_cap=gather_cap,
+    )
     sampler.rejection_top_k_top_p()
     got, want = state.sampled[:rows].cpu(), reference(logits, params, index)
     assert torch.equal(got, want), [(r, params[r]) for r in range(rows) if got[r] != want[r]]
-    if rounds > 1:  # some rows' selects ran in the chunked passes
-        assert (sampler._rejection.select[:rows, 2] == LEVELS).any()
+    levels = sampler._rejection.select[:rows, 2]
+    if rounds > 1:  # some rows' selects ran in the chunked passes, and some gathered
+        assert (levels == (GATHERED if gather_cap else LEVELS)).any()
+    if not gather_cap:
+        assert not (levels == GATHERED).any()
 
 
 def test_top_k_threshold_select_equals_the_kth_largest():
@@ -104,7 +117,9 @@ def test_top_k_threshold_select_equals_the_kth_largest():
     params = [SamplingParams(temperature=0.5, top_k=k, top_p=0.3, seed=r) for r, k in enumerate(top_k)]
     state = make_state(rows, vocab)
     load_rows(state, params, list(range(rows)))
-    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=64, rejection_rounds=8)
+    sampler = DeviceSampler(
+        state, logits.to(DEVICE), rejection_chunk=64, rejection_rounds=8, rejection_gather_cap=0
+    )
     sampler.rejection_top_k_top_p()
     index = list(range(rows))
     assert torch.equal(state.sampled[:rows].cpu(), reference(logits, params, index))
@@ -124,6 +139,43 @@ def test_top_k_threshold_select_equals_the_kth_largest():
         keys = torch.where(x[r] == 0, 2**31, torch.where(keys >= 0, keys + 2**31, ~keys))
         assert int((keys >= select[r, 0]).sum()) == at_or_above, (r, k)
     assert (select[:, 2] == LEVELS).sum() >= 4, select
+
+
+def test_gathered_candidates_decide_as_the_reference():
+    """Rows with both whose kept bin leaves few candidates are decided from them
+    (kernels/sampling_gather.py): flat rows; a tie group at the threshold and one that top_p cuts
+    (ranked by index inside it); a row mostly -inf; negative logits; and a min-p row beside them
+    (its race keeps to the floor, so it is decided by a test, not from candidates).
+    Over three steps (other output indices, so other race winners), each the reference's token."""
+    gen = torch.Generator().manual_seed(21)
+    rows, vocab = 9, 2048
+    logits = torch.randn(rows, vocab, generator=gen) * 0.5
+    # A heavy tail, so that the first winner lies outside the set and the select runs.
+    logits[4] = torch.rand(vocab, generator=gen) * 3
+    logits[4, torch.randperm(vocab, generator=gen)[:35]] = torch.tensor([4.0] * 20 + [3.5] * 15)
+    logits[5] = logits[4].flip(0)
+    logits[6] = torch.randn(vocab, generator=gen) * 0.3 + 2.0
+    logits[6, :20] = torch.rand(20, generator=gen) * 2 + 3
+    logits[7] = float("-inf")
+    logits[7, torch.randperm(vocab, generator=gen)[:50]] = torch.randn(50, generator=gen)
+    logits[8] = -torch.rand(vocab, generator=gen) - 1.0
+    top_k = [40, 10, 100, 200, 30, 25, 20, 40, 25]
+    top_p = [0.9, 0.5, 0.95, 0.8, 0.5, 0.7, 0.99, 0.9, 0.7]
+    min_p = [0.0] * 6 + [0.3, 0.0, 0.0]
+    params = [
+        SamplingParams(temperature=[0.7, 1.3][r % 2], top_k=top_k[r], top_p=top_p[r], min_p=min_p[r], seed=r)
+        for r in range(rows)
+    ]
+    state = make_state(rows, vocab)
+    sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=256, rejection_rounds=3)
+    for step in range(3):
+        index = [step * 11 + r for r in range(rows)]
+        load_rows(state, params, index)
+        sampler.rejection_top_k_top_p()
+        got, want = state.sampled[:rows].cpu(), reference(logits, params, index)
+        assert torch.equal(got, want), (step, [r for r in range(rows) if got[r] != want[r]])
+        gathered = sampler._rejection.select[:rows, 2].cpu() == GATHERED
+        assert gathered[:6].all() and gathered[7:].all(), (step, gathered)
 
 
 def test_top_k_cut_settles_flat_rows_in_few_races():

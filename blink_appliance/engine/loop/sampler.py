@@ -40,6 +40,7 @@ from blink_appliance.kernels.sampling import (
     SAMPLER_REJECTION_TOP_K,
     SAMPLER_REJECTION_TOP_K_TOP_P,
 )
+from blink_appliance.kernels.sampling_gather import GATHER_CAP
 from blink_appliance.kernels.sampling_rejection import RejectionRows, SampleRows, argmax_rows
 from blink_appliance.kernels.sampling_rounds import MAX_REGISTERS, TICKET_CHUNKS, race_and_test
 
@@ -67,6 +68,7 @@ class DeviceSampler:
         programs_per_sm: int = PROGRAMS_PER_SM,
         rejection_ticket_chunks: int = TICKET_CHUNKS,
         rejection_max_registers: int | None = MAX_REGISTERS,
+        rejection_gather_cap: int = GATHER_CAP,
         logprobs: DeviceLogprobs | None = None,
         penalties: DevicePenalties | None = None,
         prompt_logprobs: DevicePromptLogprobs | None = None,
@@ -87,6 +89,7 @@ class DeviceSampler:
         self.rejection_rounds = rejection_rounds
         self.rejection_ticket_chunks = rejection_ticket_chunks
         self.rejection_max_registers = rejection_max_registers
+        self.rejection_gather_cap = rejection_gather_cap
         self._rejection = RejectionRows.allocate(rows, triton.cdiv(vocab, self.rejection_chunk), device)
         # Persistent programs of the chunked passes: enough to fill the GPU, so that a step's cost
         # follows its rows (state.num_sample_rows), not the loop's max_num_seqs.
@@ -154,6 +157,7 @@ class DeviceSampler:
             self.logits, rows, self._rejection, st.sampled, chunk=self.rejection_chunk,
             rounds=self.rejection_rounds, programs=self.programs, precise=self.precise, top_k=top_k, both=both,
             ticket_chunks=self.rejection_ticket_chunks, max_registers=self.rejection_max_registers,
+            gather_cap=self.rejection_gather_cap,
         )  # fmt: skip
 
     def _then_logprobs(self, variant: Callable[[], None]) -> Callable[[], None]:
