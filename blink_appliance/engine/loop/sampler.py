@@ -16,10 +16,11 @@ the random numbers are exact; the masses of a top-p test are summed in another o
 reference's (kernels/sampling_rejection.py MASS_PRECISION), so a token can differ only where the mass
 ranked before a candidate lies within that rounding of top_p.
 
-Measured on the H200 at V = 128256 (bench/results/2026-11-29-h200-top-k-top-p-select.md): greedy
-0.008 ms at one row, 0.020 ms at 64; rejection 0.02-0.04 ms at one row and 0.05-0.10 ms at 64; top-k
-alone 0.03-0.06 ms and 0.09-0.19 ms; top-k with top-p 0.04-0.29 ms and 0.16-0.52 ms, where the sorting
-variant this replaced took 0.28-3.3 ms and 0.43-3.5 ms.
+Measured on the H200 at V = 128256 with the loop's 256 rows allocated
+(bench/results/2026-11-29-h200-sampler-active-programs-and-gather.md): greedy 0.008 ms at one row,
+0.020 ms at 64; rejection 0.02-0.04 ms at one row and 0.05-0.10 ms at 64; top-k alone 0.03-0.06 ms
+and 0.09-0.19 ms; top-k with top-p 0.04-0.07 ms and 0.16-0.22 ms (top_k 1000: 0.29 and 0.53), where
+the sorting variant this replaced took 0.28-3.3 ms and 0.43-3.5 ms.
 """
 
 from __future__ import annotations
