@@ -23,7 +23,8 @@ the race winner over the kept set is found by racing over a *region* that holds 
 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
-bound_i), 2 top-p / top-k test of the candidate pending, 3 select pass pending. This module has the
+bound_i), 2 top-p / top-k test of the candidate pending, 3 select pass pending, 4 candidates gathered
+for the finisher to rank (kernels/sampling_gather.py). This module has the
 chunk-level steps; one launch runs them as a work queue (kernels/sampling_rounds.py), and `finish`
 (kernels/sampling_finish.py) then loops the rare rows still undecided, one program per row.
 """

@@ -12,9 +12,9 @@ A row's select state is `RejectionRows.select` [S, 3] int64: the bytes chosen (o
 threshold key), the tokens still needed below them, and the level (SELECT_LEVELS: done). The chunks
 of a level add their bins into `select_hist` [S, SELECT_BINS], which the level's decision reads and
 zeroes. A level is a pass of its own (`_select_chunk`, then `_select_level` decides it), so a select
-costs up to four:
-binning the first level in the row's first race instead was slower
-(bench/results/2026-11-29-h200-top-k-top-p-select.md).
+costs up to four passes (binning the first level in the row's first race instead was slower,
+bench/results/2026-11-29-h200-top-k-top-p-select.md). A level that leaves few tokens from its kept
+bin up ends the select there: the row gathers them (GATHERING, kernels/sampling_gather.py).
 """
 
 from __future__ import annotations
