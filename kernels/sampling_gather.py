@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from blink_appliance.kernels.sampling import gumbel, scaled
-from blink_appliance.kernels.sampling_rejection import _min_p_floor
+from blink_appliance.kernels.sampling_rejection import _mass_term, _min_p_floor
 from blink_appliance.kernels.sampling_select import GATHERING, _order_key
 
 GATHER_CAP = 256  # candidates a row may gather (a power of two: they are sorted in one program)
@@ -69,7 +69,7 @@ def _gather_row(
     in_set = m & (key >= kth)
     raw = tl.load(row + idx, mask=m, other=0.0)
     x = scaled(raw, t, PRECISE)
-    q = tl.where(in_set, tl.exp(raw * (1.0 / t) - tl.load(row_lse_ptr + r)), 0.0)
+    q = tl.where(in_set, _mass_term(raw, t, tl.load(row_lse_ptr + r)), 0.0)
     floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
     kept = in_set & ((tl.cumsum(q, 0) - q) < tl.load(top_p_ptr + r) * tl.sum(q, 0)) & (x >= floor)
     score = tl.where(

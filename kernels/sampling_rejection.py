@@ -53,6 +53,13 @@ from blink_appliance.kernels.sampling_select import (
 # scores and the ranks stay exact.
 TIE_BAND = tl.constexpr(2.0**-20)  # logits this close (relatively) may tie once divided by t
 
+
+@triton.jit
+def _mass_term(raw, t, ref):
+    """exp(x - ref) for x = raw / t, as every nucleus mass sums it (MASS_PRECISION)."""
+    return tl.exp(raw * (1.0 / t) - ref)
+
+
 CUT_BINS = tl.constexpr(32)  # a top-k test's bins between the rejected winner and the row's max
 MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
 # A row queues at most a test per race, a race per test, and its select levels and the test after them.
@@ -182,7 +189,7 @@ def _race_chunk(
             hi = scaled(tl.max(raw, 0), t, PRECISE)
             tl.store(part_max_ptr + out, hi)
             if tl.load(top_p_ptr + r) < 1.0:  # only top-p reads the logsumexp (MASS_PRECISION)
-                q = tl.where(inb, tl.exp(raw * (1.0 / t) - hi), 0.0)
+                q = tl.where(inb, _mass_term(raw, t, hi), 0.0)
                 tl.store(part_sum_ptr + out, tl.sum(q, 0))
             best, best_index = best_score(raw, idx, c * CHUNK, inb, seed, out_index, row, t, PRECISE)
         else:
@@ -364,7 +371,7 @@ def _mass_chunk(
         ref = tl.where(
             _select_known(r, select_ptr), _threshold(r, select_ptr), _order_key(scaled(raw_w, t, PRECISE))
         )
-        q = tl.exp(raw * (1.0 / t) - lse)
+        q = _mass_term(raw, t, lse)
         tl.store(part_ref_ptr + r * n_chunks + c, tl.sum(tl.where(inb & (_order_key(x) >= ref), q, 0.0), 0))
         tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(tl.where(ahead, q, 0.0), 0))
     elif cut:  # top-k alone
@@ -376,7 +383,7 @@ def _mass_chunk(
         tl.store(part_hist_ptr + (r * n_chunks + c) * CUT_BINS + bins, tl.histogram(b, CUT_BINS))
         tl.store(part_mass_ptr + r * n_chunks + c, 0.0)
     else:
-        q = tl.where(ahead, tl.exp(raw * (1.0 / t) - lse), 0.0)
+        q = tl.where(ahead, _mass_term(raw, t, lse), 0.0)
         tl.store(part_mass_ptr + r * n_chunks + c, tl.sum(q, 0))
 
 

@@ -99,14 +99,15 @@ def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, GATHER_CAP: tl.cons
     b, in_b, need = _choose_byte(hist, need)
     prefix = tl.load(select_ptr + r * 3) * 256 + b
     level += 1
+    smallest = prefix << (32 - 8 * level)  # the bin's smallest key
     gather = top_k - need + in_b <= GATHER_CAP  # the tokens above the bin, and the bin's
     done = ((in_b == need) | (level == SELECT_LEVELS)) & ~gather
     if gather:
-        tl.store(select_ptr + r * 3, prefix << (32 - 8 * level))
+        tl.store(select_ptr + r * 3, smallest)
         tl.store(select_ptr + r * 3 + 1, tl.zeros([], tl.int64))
         tl.store(select_ptr + r * 3 + 2, tl.full([], GATHERING, tl.int64))
-    elif done:  # every key from the bin's smallest up is in the set
-        tl.store(select_ptr + r * 3, prefix << (32 - 8 * level))
+    elif done:  # every key from it up is in the set
+        tl.store(select_ptr + r * 3, smallest)
         tl.store(select_ptr + r * 3 + 2, tl.full([], SELECT_LEVELS, tl.int64))
     else:
         tl.store(select_ptr + r * 3, prefix)
