@@ -1,6 +1,7 @@
 """What the device sampler costs per sampling mix, logit shape and batch size. One device call.
 
     PYTHONPATH=. python3 bench/sampler_profile.py [--rows 1,64] [--capacity 256] [--vocab 128256] [--out DIR]
+        [--mixes 'top_k 50;min_p 0.05'] [--knobs '{"rejection_gather_cap": 0}']
 
 Per case (a logit shape, a sampling mix with every row the same, a row count), after checking the
 tokens of the variant schedule picks against the reference sampler (engine/reference/sampler.py):
@@ -96,8 +97,11 @@ def top_kernels(fn, calls: int = 5, top: int = 8) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def run_case(shape: str, mix: str, rows: int, vocab: int, device: str, capacity: int = 0) -> dict:
-    """`capacity`: the sampler's rows (the loop's max_seqs), of which the first `rows` are live; 0: rows."""
+def run_case(
+    shape: str, mix: str, rows: int, vocab: int, device: str, capacity: int = 0, knobs: dict | None = None
+) -> dict:
+    """`capacity`: the sampler's rows (the loop's max_seqs), of which the first `rows` are live; 0: rows.
+    `knobs`: DeviceSampler keyword overrides."""
     capacity = max(capacity, rows)
     logits = torch.zeros(capacity, vocab, device=device)
     logits[:rows] = logits_of(shape, rows, vocab, device)
@@ -105,7 +109,7 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str, capacity:
     output_index = [r % 7 for r in range(rows)]
     state = make_state(capacity, vocab)
     load_rows(state, params, output_index)
-    sampler = DeviceSampler(state, logits)
+    sampler = DeviceSampler(state, logits, **(knobs or {}))
     variant = variant_for(params)
     picked = sampler.variants()[variant]
 
@@ -119,6 +123,7 @@ def run_case(shape: str, mix: str, rows: int, vocab: int, device: str, capacity:
         "mix": mix,
         "rows": rows,
         "capacity": capacity,
+        "knobs": knobs or {},
         "variant": VARIANT_NAMES[variant],
         "mismatches": mismatches,
         "greedy_ms": graph_ms(sampler.greedy, device),
@@ -179,6 +184,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
     ap.add_argument("--capacity", type=int, default=0,
                     help="sampler rows allocated, as the loop's max_seqs (the shipped 256); 0: the live rows")  # fmt: skip
+    ap.add_argument("--mixes", default=None, help="only these MIXES, separated by ';' (default: all)")
+    ap.add_argument("--knobs", default="{}", help="DeviceSampler keyword overrides, as JSON")
     ap.add_argument("--tune", nargs="?", const="all", choices=("all", "quick"),
                     help="also sweep the rejection variant's knobs (quick: the grid alone, twice)")  # fmt: skip
     args = ap.parse_args()
@@ -191,8 +198,8 @@ def main() -> None:
     results = []
     for rows in row_counts:
         for shape in ("flat", "peaked"):
-            for mix in MIXES:
-                r = run_case(shape, mix, rows, vocab, device, args.capacity)
+            for mix in args.mixes.split(";") if args.mixes else MIXES:
+                r = run_case(shape, mix, rows, vocab, device, args.capacity, json.loads(args.knobs))
                 results.append(r)
                 print(json.dumps(r), flush=True)
     tuning = tune(vocab, device, QUICK_KNOBS if args.tune == "quick" else TUNE_KNOBS) if args.tune else []

@@ -63,6 +63,18 @@ def _exp(x, PRECISE: tl.constexpr):
         return tl.exp(x)
 
 
+@triton.jit
+def _mass_term(raw, t, ref):
+    """exp(x - ref) for x = raw / t, as every nucleus mass sums it (sampling_rejection.py MASS_PRECISION)."""
+    return tl.exp(raw * (1.0 / t) - ref)
+
+
+@triton.jit
+def _min_p_floor(row_max, min_p, PRECISE: tl.constexpr):
+    """min-p keeps x >= max + log(min_p) (log 0 = -inf keeps all)."""
+    return tl.where(min_p > 0.0, row_max + _log(tl.maximum(min_p, 1e-38), PRECISE), float("-inf"))
+
+
 # The race screens each chunk with a cheap score (MUFU's log) and computes the exact one only where
 # the screen cannot tell: the cheap one is within 5e-5 of it (measured bound of the approximations
 # below, plus 2^-22 of |score| for x * (1/t)), and the window is 40x that. The interpreter's screen

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from blink_appliance.kernels.sampling import _exp, gumbel, scaled
+from blink_appliance.kernels.sampling import _exp, _min_p_floor, gumbel, scaled
 from blink_appliance.kernels.sampling_gather import GATHERED, _gather_row
-from blink_appliance.kernels.sampling_rejection import _ahead, _both, _kept_by_test, _min_p_floor, _verdict
+from blink_appliance.kernels.sampling_rejection import _ahead, _both, _kept_by_test, _verdict
 from blink_appliance.kernels.sampling_select import _kth_key, _order_key, _select_known, _threshold
 
 FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first token (always kept)
@@ -17,20 +17,20 @@ FINISH_CAP = 4096  # iterations of `finish` before it takes the row's first toke
 def _finish_kernel(
     logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, select_ptr,
-    gathered_ptr, row_words, V, BLOCK: tl.constexpr, CAP: tl.constexpr, PRECISE: tl.constexpr, BOTH: tl.constexpr,
+    gather_ptr, gathered_ptr, V, BLOCK: tl.constexpr, CAP: tl.constexpr, PRECISE: tl.constexpr, BOTH: tl.constexpr,
     GATHER_CAP: tl.constexpr = 0,
 ):  # fmt: skip
     """One program per row still undecided: race and test over the whole row until a winner is kept.
     The row's state stays in registers; only the kept token is written. With BOTH, a row with top-k
-    and top-p tests against its top-k set's mass, whose threshold it selects here if the passes had not,
-    or, when the passes gathered its candidates (GATHERED), is decided from them."""
+    and top-p tests against its top-k set's mass, whose threshold it selects here if the passes had not.
+    A top-k row whose passes gathered its candidates (GATHERED) is decided from them."""
     r = tl.program_id(0)
     status = tl.load(status_ptr + r, mask=r < tl.load(n_rows_ptr), other=0)  # rows past n_rows: stale
     if GATHER_CAP > 0:
         if status == GATHERED:
             w = _gather_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
-                row_max_ptr, row_lse_ptr, select_ptr, gathered_ptr, row_words, GATHER_CAP, PRECISE,
+                row_max_ptr, row_lse_ptr, gather_ptr, gathered_ptr, GATHER_CAP, PRECISE,
             )  # fmt: skip
             tl.store(sampled_ptr + r, w)
             tl.store(status_ptr + r, 0)

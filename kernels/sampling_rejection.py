@@ -24,7 +24,7 @@ the race winner over the kept set is found by racing over a *region* that holds 
 The random numbers are the race's (kernels/sampling.py), so the token is the reference's. A row's
 state lives in `RejectionRows`: status 0 done, 1 race pending in the region ahead of (bound_x,
 bound_i), 2 top-p / top-k test of the candidate pending, 3 select pass pending, 4 candidates gathered
-for the finisher to rank (kernels/sampling_gather.py). This module has the
+for the finisher to rank, 5 gathering pass pending (kernels/sampling_gather.py). This module has the
 chunk-level steps; one launch runs them as a work queue (kernels/sampling_rounds.py), and `finish`
 (kernels/sampling_finish.py) then loops the rare rows still undecided, one program per row.
 """
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from blink_appliance.kernels.sampling import _exp, _log, best_score, scaled
+from blink_appliance.kernels.sampling import _exp, _log, _mass_term, _min_p_floor, best_score, scaled
+from blink_appliance.kernels.sampling_gather import GATHER_CAP
 from blink_appliance.kernels.sampling_select import (
     SELECT_BINS,
     SELECT_LEVELS,
@@ -54,16 +55,11 @@ from blink_appliance.kernels.sampling_select import (
 TIE_BAND = tl.constexpr(2.0**-20)  # logits this close (relatively) may tie once divided by t
 
 
-@triton.jit
-def _mass_term(raw, t, ref):
-    """exp(x - ref) for x = raw / t, as every nucleus mass sums it (MASS_PRECISION)."""
-    return tl.exp(raw * (1.0 / t) - ref)
-
-
 CUT_BINS = tl.constexpr(32)  # a top-k test's bins between the rejected winner and the row's max
 MAX_ROUNDS = 8  # chunked race-and-test rounds a row may have before `finish` takes it
-# A row queues at most a test per race, a race per test, and its select levels and the test after them.
-QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS + SELECT_LEVELS.value + 1
+# A row queues at most a test per race, a race per test, its select levels and the test after them, and
+# a gathering pass (sampling_gather.py) with the test after it.
+QUEUE_SLOTS_PER_ROW = 2 * MAX_ROUNDS + SELECT_LEVELS.value + 2
 QUEUE_COUNTERS = 4  # the queue's counters (kernels/sampling_rounds.py), each on a line of its own:
 COUNTER_STRIDE = 32  # int32s a 128-byte line
 
@@ -82,6 +78,8 @@ class RejectionRows:
     part_hist: torch.Tensor  # [S, C, CUT_BINS] int32: a top-k test's bins of the tokens above w
     select: torch.Tensor  # [S, 3] int64: top-k with top-p, the threshold's select (sampling_select.py)
     select_hist: torch.Tensor  # [S, SELECT_BINS] int32: a select level's bins; zero between levels
+    gather: torch.Tensor  # [S, 2] int64: a top-k row's gather bound key and count (sampling_gather.py)
+    gathered: torch.Tensor  # [S, cap] int32: the indices it gathered
     part_score: torch.Tensor  # [S, C] fp32
     part_index: torch.Tensor  # [S, C] int64
     part_max: torch.Tensor  # [S, C] fp32; a top-k with top-p test's mass at or above w, or the set's
@@ -94,7 +92,9 @@ class RejectionRows:
     )  # [128] int32: the queue's next ticket, tail, rows settled, programs out (32 apart)
 
     @classmethod
-    def allocate(cls, rows: int, chunks: int, device: torch.device) -> RejectionRows:
+    def allocate(
+        cls, rows: int, chunks: int, device: torch.device, gather_cap: int = GATHER_CAP
+    ) -> RejectionRows:
         def f32(*shape):
             return torch.zeros(*shape, dtype=torch.float32, device=device)
 
@@ -106,6 +106,7 @@ class RejectionRows:
             row_max=f32(rows), row_lse=f32(rows), candidate=i64(rows), cut=f32(rows, 3),
             part_hist=torch.zeros(rows, chunks, CUT_BINS.value, dtype=torch.int32, device=device),
             select=i64(rows, 3), select_hist=torch.zeros(rows, SELECT_BINS.value, dtype=torch.int32, device=device),
+            gather=i64(rows, 2), gathered=torch.zeros(rows, gather_cap, dtype=torch.int32, device=device),
             part_score=f32(rows, chunks),
             part_index=i64(rows, chunks), part_max=f32(rows, chunks), part_sum=f32(rows, chunks),
             arrived=torch.zeros(rows, dtype=torch.int32, device=device),
@@ -248,12 +249,6 @@ def _argmax_kernel(
 
 
 @triton.jit
-def _min_p_floor(row_max, min_p, PRECISE: tl.constexpr):
-    """min-p keeps x >= max + log(min_p) (log 0 = -inf keeps all)."""
-    return tl.where(min_p > 0.0, row_max + _log(tl.maximum(min_p, 1e-38), PRECISE), float("-inf"))
-
-
-@triton.jit
 def _verdict(x_w, row_max, min_p, top_p, top_k, PRECISE: tl.constexpr):
     """After a race, the winner's next status: RACE again if min-p rejects it (the region shrinks
     to the tokens ranked before it and, once the max is known, to min-p's), TEST if top-p or top-k
@@ -289,8 +284,9 @@ def _pick_row(
     PRECISE: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Row r: the region's winner from the chunks (ties: lowest chunk, so lowest index), then the
-    min-p test; returns the row's new status. The first round also sets the row's max and
-    logsumexp. Partials are read past L1: other SMs wrote them."""
+    min-p test; returns the row's new status and (the first round, with top-k) how many chunk maxima
+    lie above the winner. The first round also sets the row's max and logsumexp. Partials are read
+    past L1: other SMs wrote them."""
     offs = tl.arange(0, BLOCK_C)
     m = offs < n_chunks
     scores = tl.load(part_score_ptr + r * n_chunks + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
@@ -298,6 +294,7 @@ def _pick_row(
     t = tl.load(temperature_ptr + r)
     status = tl.full([], 0, tl.int32)
     x_w = tl.full([], 0.0, tl.float32)
+    above = tl.full([], 0, tl.int32)
     if not ARGMAX and t > 0.0:
         if FIRST:
             part_max = tl.load(
@@ -322,8 +319,10 @@ def _pick_row(
             if TOP_K:
                 top_k = tl.load(top_k_ptr + r)
             status = _verdict(x_w, row_max, tl.load(min_p_ptr + r), tl.load(top_p_ptr + r), top_k, PRECISE)
+            if FIRST & TOP_K:
+                above = tl.sum((part_max > x_w).to(tl.int32), 0)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
-    return status
+    return status, above
 
 
 @triton.jit
@@ -442,7 +441,7 @@ def _both_verdict(r, mass, n_above, top_p, top_k, select_ptr, part_ref_ptr, n_ch
 @triton.jit
 def _select_row(
     r, logits_ptr, stride, temperature_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr,
-    candidate_ptr, select_ptr, select_hist_ptr, PRECISE: tl.constexpr, GATHER_CAP: tl.constexpr,
+    candidate_ptr, select_ptr, select_hist_ptr, gather_ptr, PRECISE: tl.constexpr, GATHER_CAP: tl.constexpr,
 ):  # fmt: skip
     """A select pass of row r is done: its next status. 3 while the threshold is not known (or the
     row gathers next); then 2, the candidate's test, if it is in the top-k set, else 1, a race in the
@@ -452,7 +451,7 @@ def _select_row(
         tl.load(logits_ptr + tl.cast(r, tl.int64) * stride + w), tl.load(temperature_ptr + r), PRECISE
     )
     status = tl.full([], 3, tl.int32)
-    if _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, GATHER_CAP):
+    if _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, gather_ptr, GATHER_CAP):
         status = tl.where(_order_key(x_w) >= _threshold(r, select_ptr), 2, 1)
     _store_verdict(r, status, w, x_w, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr)
     return status

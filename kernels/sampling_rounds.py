@@ -20,10 +20,17 @@ import torch
 import triton
 import triton.language as tl
 from blink_appliance.kernels.sampling_finish import FINISH_CAP, _finish_kernel
-from blink_appliance.kernels.sampling_gather import GATHER_CAP, GATHERED, _gather_chunk, _gathering
+from blink_appliance.kernels.sampling_gather import (
+    GATHER_CAP,
+    GATHER_NEXT,
+    GATHERED,
+    _after_gathering,
+    _chunk_bound,
+    _gather_chunk,
+    _gathering,
+)
 from blink_appliance.kernels.sampling_rejection import (
     COUNTER_STRIDE,
-    CUT_BINS,
     MAX_ROUNDS,
     QUEUE_COUNTERS,
     RejectionRows,
@@ -51,6 +58,8 @@ FIRST_RACE = tl.constexpr(0)
 RACE = tl.constexpr(1)
 TEST = tl.constexpr(2)
 SELECT = tl.constexpr(3)  # a level of a top-k with top-p row's threshold select (sampling_select.py)
+# A top-k row's gathering pass (sampling_gather.py); queued as kind 0, since first races never are.
+GATHER = tl.constexpr(4)
 TICKET_CHUNKS = 1  # chunks a ticket: fewer takes of the one counter, and of the rows' arrival counts
 MAX_REGISTERS = 64  # per thread, on a GPU: 8 programs an SM (uncapped it takes 80-96, 5-6 an SM)
 NUM_WARPS = 4
@@ -82,22 +91,22 @@ def _await_task(queue_ptr, counters_ptr, slot, queue_size, n_rows, SLEEP: tl.con
 def _queue(queue_ptr, counters_ptr, r, kind):
     """Queue row r's next pass; the release publishes the row state written before it."""
     slot = tl.atomic_add(counters_ptr + TAIL, 1, sem="relaxed")
-    tl.atomic_xchg(queue_ptr + slot, r * 4 + kind, sem="release")
+    tl.atomic_xchg(queue_ptr + slot, r * 4 + kind % 4, sem="release")
 
 
 @triton.jit
 def _after_pass(r, status, first, queue_ptr, counters_ptr, races_ptr, ROUNDS: tl.constexpr):
-    """Row r's pass is decided with `status`: queue its test (2), its next race (1) while it has had
-    fewer than ROUNDS, or count it settled (done, or left to `finish`). `first`: the pass was the
-    row's first race, whose count of 1 one thread has just stored (a warp ahead could still load the
-    last step's), so it is not read back."""
+    """Row r's pass is decided with `status`: queue its test (2), its select level (3), its gathering
+    pass (GATHER_NEXT), its next race (1) while it has had fewer than ROUNDS, or count it settled
+    (done, or left to `finish`). `first`: the pass was the row's first race, whose count of 1 one
+    thread has just stored (a warp ahead could still load the last step's), so it is not read back."""
     races = tl.where(first, 1, tl.load(races_ptr + r))
     # Every thread branches on its own load of races[r]; one thread writes it below. Without the
     # barrier a warp that loads late could read the new count, take the other branch and never meet
     # the barriers of the atomics in this one.
     tl.debug_barrier()
-    if status == 2:
-        _queue(queue_ptr, counters_ptr, r, TEST)
+    if (status == 2) | (status == GATHER_NEXT):
+        _queue(queue_ptr, counters_ptr, r, tl.where(status == 2, TEST, GATHER))
     elif status == 3:
         _queue(queue_ptr, counters_ptr, r, SELECT)
     elif (status == 1) & (races < ROUNDS):
@@ -125,27 +134,29 @@ def _pass_chunks(
     r, start, stop, kind, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr,
     out_index_ptr, sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr,
     cut_ptr, select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
-    arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
+    gather_ptr, gathered_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PRECISE: tl.constexpr, TOP_K: tl.constexpr, BOTH: tl.constexpr,
     GATHER_CAP: tl.constexpr,
 ):  # fmt: skip
     """Chunks [start, stop) of a pass of row r; the program that completes the pass decides the row
     and queues what follows. A test's partial masses reuse part_sum (the row's first pick folded its
     sums into row_lse), its counts part_index (the race's pick has read it) and its top-k set's masses
-    part_max (the first pick's); a gathering row's indices part_hist (sampling_gather.py)."""
+    part_max (the first pick's). A gathering pass, or a select pass of a row with both at GATHERING,
+    appends the row's candidates (sampling_gather.py)."""
     select = False  # a select pass: only rows with both queue one, so it is compiled in with BOTH alone
-    gather = False  # a select pass that gathers the row's candidates
+    gather = False  # a pass that gathers the row's candidates: GATHER, or a select pass at GATHERING
     if BOTH:  # (an empty select branch still cost the other variants' registers)
         select = kind == SELECT
         if select & (GATHER_CAP > 0):
             gather = _gathering(r, select_ptr)
-    row_words = n_chunks * CUT_BINS  # a row's part_hist
+    if GATHER_CAP > 0:  # (compiled only where a row can gather: the variant with both)
+        gather = gather | (kind == GATHER)
     for c in range(start, stop):
         if gather:
-            if GATHER_CAP > 0:  # (compiled only where a row can gather)
+            if GATHER_CAP > 0:
                 _gather_chunk(
-                    r, c, logits_ptr, stride, temperature_ptr, select_ptr, part_hist_ptr, row_words, V, CHUNK,
-                    GATHER_CAP, PRECISE,
+                    r, c, logits_ptr, stride, temperature_ptr, gather_ptr, gathered_ptr, V, CHUNK, GATHER_CAP,
+                    PRECISE,
                 )  # fmt: skip
         elif select:
             _select_chunk(
@@ -172,14 +183,16 @@ def _pass_chunks(
                 TOP_K=TOP_K, BOTH=BOTH,
             )  # fmt: skip
     if _last_to_arrive(arrived_ptr, r, n_chunks, stop - start):
-        if gather:  # the finisher ranks the candidates (its registers are not capped)
+        if gather & select:  # the finisher ranks the candidates (its registers are not capped)
             status = tl.full([], GATHERED, tl.int32)
             tl.store(status_ptr + r, status)
         elif select:
             status = _select_row(
                 r, logits_ptr, stride, temperature_ptr, top_k_ptr, sampled_ptr, status_ptr, bound_x_ptr,
-                bound_i_ptr, candidate_ptr, select_ptr, select_hist_ptr, PRECISE, GATHER_CAP,
+                bound_i_ptr, candidate_ptr, select_ptr, select_hist_ptr, gather_ptr, PRECISE, GATHER_CAP,
             )  # fmt: skip
+        elif gather:  # a gathering pass
+            status = _after_gathering(r, status_ptr, gather_ptr, GATHER_CAP)
         elif kind == TEST:
             status = _decide_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, sampled_ptr, status_ptr,
@@ -188,14 +201,17 @@ def _pass_chunks(
             )  # fmt: skip
         elif kind == FIRST_RACE:
             tl.store(races_ptr + r, 1)
-            status = _pick_row(
+            status, above = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=True, ARGMAX=False,
                 PRECISE=PRECISE, TOP_K=TOP_K,
             )  # fmt: skip
+            if GATHER_CAP > 0:
+                status = _chunk_bound(r, status, above, top_k_ptr, part_max_ptr, status_ptr, gather_ptr, n_chunks,
+                                      BLOCK_C)  # fmt: skip
         else:
-            status = _pick_row(
+            status, _ = _pick_row(
                 r, logits_ptr, stride, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, part_score_ptr,
                 part_index_ptr, part_max_ptr, part_sum_ptr, n_chunks, BLOCK_C, FIRST=False, ARGMAX=False,
@@ -209,7 +225,8 @@ def _rounds_kernel(
     logits_ptr, stride, n_rows_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr,
     sampled_ptr, status_ptr, bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr,
     select_ptr, select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
-    arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, queue_size, ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
+    gather_ptr, gathered_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, queue_size,
+    ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr, GROUP: tl.constexpr, PRECISE: tl.constexpr, SLEEP: tl.constexpr, TOP_K: tl.constexpr,
     BOTH: tl.constexpr, GATHER_CAP: tl.constexpr = 0,
 ):  # fmt: skip
@@ -223,18 +240,21 @@ def _rounds_kernel(
         ticket = tl.atomic_add(counters_ptr + NEXT_TICKET, 1, sem="relaxed")
         task = ticket // groups
         payload = task * 4 + FIRST_RACE
-        if task >= n_rows:
+        queued = task >= n_rows
+        if queued:
             payload = _await_task(queue_ptr, counters_ptr, task - n_rows, queue_size, n_rows, SLEEP)
         running = payload >= 0
         if running:
             start = (ticket % groups) * GROUP
+            kind = payload % 4
+            kind = tl.where(queued & (kind == FIRST_RACE), GATHER, kind)
             _pass_chunks(
-                payload // 4, start, tl.minimum(start + GROUP, n_chunks), payload % 4, logits_ptr, stride,
+                payload // 4, start, tl.minimum(start + GROUP, n_chunks), kind, logits_ptr, stride,
                 temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, out_index_ptr, sampled_ptr, status_ptr,
                 bound_x_ptr, bound_i_ptr, candidate_ptr, row_max_ptr, row_lse_ptr, cut_ptr, select_ptr,
                 select_hist_ptr, part_score_ptr, part_index_ptr, part_max_ptr, part_sum_ptr, part_hist_ptr,
-                arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS, CHUNK, BLOCK_C, PRECISE, TOP_K,
-                BOTH, GATHER_CAP,
+                gather_ptr, gathered_ptr, arrived_ptr, races_ptr, queue_ptr, counters_ptr, V, n_chunks, ROUNDS, CHUNK,
+                BLOCK_C, PRECISE, TOP_K, BOTH, GATHER_CAP,
             )  # fmt: skip
     if tl.program_id(0) < active:
         _leave(queue_ptr, counters_ptr, active, 256)
@@ -262,8 +282,9 @@ def race_and_test(
     still undecided. `top_k`: rows may have top-k (its count and cut are compiled in; without them the
     kernel keeps the registers and speed of top-p rows alone); `both`: rows may have top-k and top-p
     (their select is compiled in too, which costs rows of top-k alone). `max_registers` caps the queue kernel's
-    registers per thread (more programs per SM). `gather_cap`: the most candidates such a row gathers
-    to be decided from (sampling_gather.py; 0: never, a power of two, cut to what part_hist holds).
+    registers per thread (more programs per SM). `gather_cap`: with `both`, the most candidates a top-k
+    row gathers to be decided from (sampling_gather.py; 0: never, else a power of two that
+    state.gathered holds).
     Capturable: no host sync."""
     S, V = logits.shape
     C = state.part_score.shape[1]
@@ -273,10 +294,14 @@ def race_and_test(
         )
     if not 1 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"the rejection sampler takes 1 to {MAX_ROUNDS} chunked rounds, got {rounds}")
-    if gather_cap & (gather_cap - 1):
-        raise ValueError(f"the gather cap is sorted in one program: a power of two or 0, got {gather_cap}")
-    while gather_cap > C * CUT_BINS:
-        gather_cap //= 2
+    if gather_cap & (gather_cap - 1) or gather_cap > state.gathered.shape[1]:
+        raise ValueError(
+            f"the gather cap is sorted in one program: a power of two or 0, at most the "
+            f"{state.gathered.shape[1]} state.gathered holds, got {gather_cap}"
+        )
+    # Rows of top-k alone do not gather: compiled into their variant, the gathering code cost every such
+    # row about 7 µs on the H200, peaked or flat (bench/results/2026-11-29-h200-sampler-chunk-bound-gather.md).
+    gather_cap = gather_cap if both else 0
     registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
     if registers:
         # No more programs than fit at once: one past them gets a slot only when a resident one
@@ -287,15 +312,15 @@ def race_and_test(
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
         state.row_max, state.row_lse, state.cut, state.select, state.select_hist, state.part_score,
-        state.part_index, state.part_max, state.part_sum, state.part_hist, state.arrived, state.races, state.queue,
-        state.counters, V, C, state.queue.numel(), ROUNDS=rounds, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(C),
-        GROUP=ticket_chunks, PRECISE=precise, SLEEP=logits.is_cuda, TOP_K=top_k or both, BOTH=both,
-        GATHER_CAP=gather_cap if both else 0, num_warps=NUM_WARPS, **registers,
+        state.part_index, state.part_max, state.part_sum, state.part_hist, state.gather, state.gathered,
+        state.arrived, state.races, state.queue, state.counters, V, C, state.queue.numel(), ROUNDS=rounds, CHUNK=chunk,
+        BLOCK_C=triton.next_power_of_2(C), GROUP=ticket_chunks, PRECISE=precise, SLEEP=logits.is_cuda,
+        TOP_K=top_k or both, BOTH=both, GATHER_CAP=gather_cap, num_warps=NUM_WARPS, **registers,
     )  # fmt: skip
     _finish_kernel[(S,)](
         logits, logits.stride(0), rows.n_rows, rows.temperature, rows.top_p, rows.top_k, rows.min_p, rows.seed,
         rows.output_index, sampled, state.status, state.bound_x, state.bound_i, state.candidate,
-        state.row_max, state.row_lse, state.select, state.part_hist, C * CUT_BINS, V,
+        state.row_max, state.row_lse, state.select, state.gather, state.gathered, V,
         BLOCK=min(finish_block, triton.next_power_of_2(V)), CAP=FINISH_CAP, PRECISE=precise, BOTH=both,
-        GATHER_CAP=gather_cap if both else 0, num_warps=8,
+        GATHER_CAP=gather_cap, num_warps=8,
     )  # fmt: skip

@@ -86,10 +86,11 @@ def _threshold(r, select_ptr):
 
 
 @triton.jit
-def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, GATHER_CAP: tl.constexpr):
+def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, gather_ptr, GATHER_CAP: tl.constexpr):
     """Row r's level is binned: keep the byte of the k-th token and zero the bins for the next level.
     Returns whether the threshold is now known. When at most GATHER_CAP tokens lie from the kept
-    bin's smallest key up, the row gathers them instead (GATHERING; sampling_gather.py)."""
+    bin's smallest key up, the row gathers them instead (GATHERING, with that key as the row's gather
+    bound; sampling_gather.py)."""
     bins = tl.arange(0, SELECT_BINS)
     hist = tl.load(select_hist_ptr + r * SELECT_BINS + bins, cache_modifier=".cg")
     tl.store(select_hist_ptr + r * SELECT_BINS + bins, tl.zeros([SELECT_BINS], tl.int32))
@@ -103,8 +104,8 @@ def _select_level(r, top_k_ptr, select_ptr, select_hist_ptr, GATHER_CAP: tl.cons
     gather = top_k - need + in_b <= GATHER_CAP  # the tokens above the bin, and the bin's
     done = ((in_b == need) | (level == SELECT_LEVELS)) & ~gather
     if gather:
-        tl.store(select_ptr + r * 3, smallest)
-        tl.store(select_ptr + r * 3 + 1, tl.zeros([], tl.int64))
+        tl.store(gather_ptr + r * 2, smallest)
+        tl.store(gather_ptr + r * 2 + 1, tl.zeros([], tl.int64))
         tl.store(select_ptr + r * 3 + 2, tl.full([], GATHERING, tl.int64))
     elif done:  # every key from it up is in the set
         tl.store(select_ptr + r * 3, smallest)

@@ -329,7 +329,8 @@ pointers = dict(
     logits=f32, n_rows=i32, temperature=f32, top_p=f32, top_k=i64, min_p=f32, seed=i64, out_index=i64, sampled=i64,
     status=i32, bound_x=f32, bound_i=i64, candidate=i64, row_max=f32, row_lse=f32, cut=f32, select=i64,
     select_hist=i32, part_score=f32,
-    part_index=i64, part_max=f32, part_sum=f32, part_hist=i32, arrived=i32, races=i32, queue=i32, counters=i32,
+    part_index=i64, part_max=f32, part_sum=f32, part_hist=i32, gather=i64, gathered=i32, arrived=i32, races=i32,
+    queue=i32, counters=i32,
 )
 args = {f"{name}_ptr": t for name, t in pointers.items()} | dict(stride=0, V=0, n_chunks=0, queue_size=0)
 for top_k, both, gather in ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, GATHER_CAP)):

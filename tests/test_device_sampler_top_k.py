@@ -194,3 +194,59 @@ def test_top_k_cut_settles_flat_rows_in_few_races():
     assert torch.equal(state.sampled[:rows].cpu(), reference(logits, params, index))
     races = sampler._rejection.races[:rows].cpu()
     assert (races <= 3).all(), races
+
+
+@pytest.mark.parametrize("gather_cap", [0, GATHER_CAP])
+def test_top_k_rows_gather_in_their_test(gather_cap):
+    """A row with top_k no more than its chunks gathers, in its test, the tokens at or above its k-th
+    largest chunk max, and when the test rejects the winner the finisher decides it from them
+    (kernels/sampling_gather.py): flat rows with top-k alone and with top-p settle after one race.
+    Beside them: a tie group across chunks at the k-th value, more tied maxima than the cap holds (the
+    row falls back to the cut races), a row with more top_k than chunks, min-p, negative logits, a row
+    mostly -inf and a greedy row. Over three steps, each the reference's token."""
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab, chunk = 14, 4096, 128  # 32 chunks
+    logits = torch.randn(rows, vocab, generator=gen) * 0.05
+    logits[4, torch.randperm(vocab, generator=gen)[:12]] = 0.4  # 12 tied tokens at the 5th to 16th
+    logits[4, :4] = torch.tensor([0.9, 0.8, 0.7, 0.6])
+    # Every chunk's max 0.1, and 1000 more: more tied candidates than the cap (top_k 3 keeps them all),
+    # of less mass than the rest, so the first winner is mostly rejected
+    for r in (5, 12, 13):
+        logits[r] *= 0.2
+        logits[r, torch.randperm(vocab, generator=gen)[:1000]] = 0.1
+        logits[r, torch.arange(0, vocab, chunk)] = 0.1
+    logits[8] = -torch.rand(vocab, generator=gen) - 1.0
+    logits[9] = float("-inf")
+    logits[9, torch.randperm(vocab, generator=gen)[:50]] = torch.randn(50, generator=gen)
+    top_k = [1, 5, 20, 32, 8, 3, 40, 20, 10, 6, 16, 4, 3, 2]
+    top_p = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.6, 0.9, 1.0, 0.5, 1.0, 1.0, 0.9]
+    min_p = [0.0] * 11 + [0.5, 0.0, 0.0]
+    temperature = [0.7, 1.3, 1.0, 0.5, 1.0, 1.0, 1.0, 0.8, 1.1, 1.0, 0.9, 1.0, 1.0, 1.0]
+    temperature[3] = 0.0  # greedy
+    params = [
+        SamplingParams(temperature=temperature[r], top_k=top_k[r], top_p=top_p[r], min_p=min_p[r], seed=r)
+        for r in range(rows)
+    ]
+    state = make_state(rows, vocab)
+    sampler = DeviceSampler(
+        state, logits.to(DEVICE), rejection_chunk=chunk, rejection_rounds=3, rejection_gather_cap=gather_cap
+    )
+    overflowed = 0
+    for step in range(3):
+        index = [step * 7 + r for r in range(rows)]
+        load_rows(state, params, index)
+        sampler.rejection_top_k_top_p()
+        got, want = state.sampled[:rows].cpu(), reference(logits, params, index)
+        assert torch.equal(got, want), (step, [r for r in range(rows) if got[r] != want[r]])
+        races = sampler._rejection.races[:rows].cpu()
+        flat = torch.tensor([0, 1, 2, 7, 10])  # winners outside their small top-k sets
+        if gather_cap:
+            assert (races[flat] == 1).all(), (step, races)
+            for r in (5, 12, 13):  # a winner below the ties gathered them all: counted, not kept
+                tied = int((logits[r] == 0.1).sum())
+                assert sampler._rejection.gather[r, 1].item() in (0, tied) and tied > gather_cap, step
+                overflowed += sampler._rejection.gather[r, 1].item() == tied
+        else:
+            assert (races[flat] > 1).all(), (step, races)
+        assert races[6] > 1, (step, races)  # 40 > 32 chunks: no gathering
+    assert overflowed >= 3 or not gather_cap
