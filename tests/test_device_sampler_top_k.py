@@ -141,6 +141,14 @@ def test_top_k_threshold_select_equals_the_kth_largest():
     assert (select[:, 2] == LEVELS).sum() >= 4, select
 
 
+def both_step_as_reference(sampler, state, logits, params, index):
+    """One step of the variant with both at output indices `index`: every row's token is the reference's."""
+    load_rows(state, params, index)
+    sampler.rejection_top_k_top_p()
+    got, want = state.sampled[: len(params)].cpu(), reference(logits, params, index)
+    assert torch.equal(got, want), (index, [r for r in range(len(params)) if got[r] != want[r]])
+
+
 def test_gathered_candidates_decide_as_the_reference():
     """Rows with both whose kept bin leaves few candidates are decided from them
     (kernels/sampling_gather.py): flat rows; a tie group at the threshold and one that top_p cuts
@@ -169,11 +177,7 @@ def test_gathered_candidates_decide_as_the_reference():
     state = make_state(rows, vocab)
     sampler = DeviceSampler(state, logits.to(DEVICE), rejection_chunk=256, rejection_rounds=3)
     for step in range(3):
-        index = [step * 11 + r for r in range(rows)]
-        load_rows(state, params, index)
-        sampler.rejection_top_k_top_p()
-        got, want = state.sampled[:rows].cpu(), reference(logits, params, index)
-        assert torch.equal(got, want), (step, [r for r in range(rows) if got[r] != want[r]])
+        both_step_as_reference(sampler, state, logits, params, [step * 11 + r for r in range(rows)])
         gathered = sampler._rejection.select[:rows, 2].cpu() == GATHERED
         assert gathered[:6].all() and gathered[7:].all(), (step, gathered)
 
@@ -233,11 +237,7 @@ def test_top_k_rows_gather_in_their_test(gather_cap):
     )
     overflowed = 0
     for step in range(3):
-        index = [step * 7 + r for r in range(rows)]
-        load_rows(state, params, index)
-        sampler.rejection_top_k_top_p()
-        got, want = state.sampled[:rows].cpu(), reference(logits, params, index)
-        assert torch.equal(got, want), (step, [r for r in range(rows) if got[r] != want[r]])
+        both_step_as_reference(sampler, state, logits, params, [step * 7 + r for r in range(rows)])
         races = sampler._rejection.races[:rows].cpu()
         flat = torch.tensor([0, 1, 2, 7, 10])  # winners outside their small top-k sets
         if gather_cap:
