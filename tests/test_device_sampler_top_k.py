@@ -201,13 +201,14 @@ def test_top_k_cut_settles_flat_rows_in_few_races():
 
 
 @pytest.mark.parametrize("gather_cap", [0, GATHER_CAP])
-def test_top_k_rows_gather_in_their_test(gather_cap):
-    """A row with top_k no more than its chunks gathers, in its test, the tokens at or above its k-th
-    largest chunk max, and when the test rejects the winner the finisher decides it from them
-    (kernels/sampling_gather.py): flat rows with top-k alone and with top-p settle after one race.
-    Beside them: a tie group across chunks at the k-th value, more tied maxima than the cap holds (the
-    row falls back to the cut races), a row with more top_k than chunks, min-p, negative logits, a row
-    mostly -inf and a greedy row. Over three steps, each the reference's token."""
+def test_top_k_rows_gather_at_their_kth_chunk_max(gather_cap):
+    """In the variant with both, a row with top_k no more than its chunks whose first winner lies below
+    k chunk maxima skips its test: it gathers the tokens at or above its k-th largest chunk max, and the
+    finisher decides it from them (kernels/sampling_gather.py), so flat rows with top-k alone and with
+    top-p settle after one race. Beside them: a tie group across chunks at the k-th value, more tied
+    maxima than the cap holds (the row falls back to its test), a row with more top_k than chunks,
+    min-p, negative logits, a row mostly -inf and a greedy row. Over three steps, each the reference's
+    token."""
     gen = torch.Generator().manual_seed(5)
     rows, vocab, chunk = 14, 4096, 128  # 32 chunks
     logits = torch.randn(rows, vocab, generator=gen) * 0.05
