@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blink_appliance.processes import set_on_signals, stop_child
+from blink_appliance.processes import ENGINE_STOP_S, FRONTEND_STOP_GRACE_S, set_on_signals, stop_child
 from blink_appliance.profile import Profile, ProfileError, region_name, ring_geometry
 from blink_appliance.wire.lifecycle import mark_engine_exited
 
@@ -392,10 +392,10 @@ class ApplianceDaemon:
         drain = self.profile.appliance.drain_timeout_s
         # A remote front end drains on its own host; the ring agent stays until the engines wrote
         # their shutdown terminals, so that front end can read them.
-        fe_code = None if self.remote_frontend else self.frontend.stop(drain + 10.0)
+        fe_code = None if self.remote_frontend else self.frontend.stop(drain + FRONTEND_STOP_GRACE_S)
         for region in regions:  # every engine starts stopping now, not after the one before it
             region.store("shutdown", 1)
-        codes = {e.child.name: e.child.stop(15.0) for e in self.engines}
+        codes = {e.child.name: e.child.stop(ENGINE_STOP_S) for e in self.engines}
         if self.remote_frontend:
             time.sleep(REMOTE_READ_GRACE_S if self.frontend.exited() is None else 0.0)
             fe_code = self.frontend.stop(10.0)

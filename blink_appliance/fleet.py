@@ -8,18 +8,20 @@ The appliance never needs Ray: this module imports it only in `fleet_app` and `s
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import signal
 import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from blink_appliance.processes import stop_child
+from blink_appliance.processes import shutdown_s, stop_child
 from blink_appliance.profile import load_profile
 
 try:
@@ -34,6 +36,9 @@ HOP_HEADERS = frozenset(
      "date", "server"}
 )  # fmt: skip
 REPLICA_HEADER = "x-blink-replica"  # which appliance answered (its ring region's name)
+# Past the appliance's own shutdown, what the replica waits before it kills it: killed sooner, its
+# engines would stop under a front end still streaming.
+STOP_MARGIN_S = 5.0
 
 
 def replica_profile(profile_path: Path, directory: Path, tag: str) -> Path:
@@ -91,6 +96,7 @@ class ApplianceReplica:
         if isinstance(spawned[0], OSError):
             raise RuntimeError(f"cannot start {exe}: {spawned[0]}")
         self.proc = spawned[0]
+        self._stopping = False
         url: list[str] = []
         reader = threading.Thread(target=lambda: url.append(self.proc.stdout.readline().strip()), daemon=True)  # type: ignore[union-attr]
         reader.start()
@@ -142,10 +148,21 @@ class ApplianceReplica:
         if self.proc.poll() is not None:
             raise RuntimeError(f"appliance {self.name} exited with code {self.proc.returncode}")
 
-    def __del__(self) -> None:
-        # Ray calls this once the replica's requests have ended: the appliance drains and stops.
-        if hasattr(self, "proc"):
-            self._stop(self.drain_timeout_s + 15.0)
+    def __del__(self) -> Awaitable[None] | None:
+        """Ray calls this once the replica's requests have ended, on the event loop that relays them,
+        and awaits what it returns: the appliance drains and stops in a thread, so a request that
+        reached the replica after Ray's own drain keeps streaming meanwhile. Called by Python's
+        finalizer instead (no loop running here), it stops the appliance in place."""
+        if not hasattr(self, "proc") or self._stopping:
+            return None
+        self._stopping = True
+        timeout_s = shutdown_s(self.drain_timeout_s) + STOP_MARGIN_S
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._stop(timeout_s)
+            return None
+        return asyncio.to_thread(self._stop, timeout_s)
 
     def _stop(self, timeout_s: float) -> None:
         stop_child(self.proc, timeout_s)
@@ -154,7 +171,7 @@ class ApplianceReplica:
 
 def fleet_app(profile: str, replicas: int, *, graceful_shutdown_timeout_s: float | None = None) -> Any:
     """The Ray Serve application: `replicas` appliances of `profile`, each owning its GPUs. A stopping
-    replica gets its appliance's drain time and more before Ray cuts its requests off."""
+    replica's budget covers Ray's wait for its requests and then its appliance's whole shutdown."""
     from ray import serve
 
     p = load_profile(profile)
@@ -164,7 +181,8 @@ def fleet_app(profile: str, replicas: int, *, graceful_shutdown_timeout_s: float
         name="blink-appliance",
         num_replicas=replicas,
         ray_actor_options={"num_cpus": 0, "num_gpus": gpus},
-        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s or p.appliance.drain_timeout_s + 30.0,
+        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s
+        or p.appliance.drain_timeout_s + shutdown_s(p.appliance.drain_timeout_s) + 30.0,
         health_check_period_s=2.0,
         max_ongoing_requests=p.frontend.max_inflight,
     )

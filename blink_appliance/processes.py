@@ -48,6 +48,16 @@ def set_on_signals(event: threading.Event, signals: Iterable[signal.Signals]) ->
     threading.Thread(target=watch, name="stop-signals", daemon=True).start()
 
 
+FRONTEND_STOP_GRACE_S = 10.0  # past its drain, what a stopping front end gets to exit before it is killed
+ENGINE_STOP_S = 15.0  # what an engine gets to stop on the shutdown word, after the front end
+
+
+def shutdown_s(drain_timeout_s: float) -> float:
+    """The longest an appliance's own shutdown takes: its front end drains and exits, then its
+    engines stop (blink_appliance/daemon.py)."""
+    return drain_timeout_s + FRONTEND_STOP_GRACE_S + ENGINE_STOP_S
+
+
 def stop_child(proc: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
     """SIGTERM (a blink process drains on it), wait up to `timeout_s`, SIGKILL if it is still there:
     its exit code, and whether it had to be killed."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +55,49 @@ async def test_a_replica_whose_appliance_is_gone_refuses_with_retry_after() -> N
     await replica._session.close()
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert b'"type":"service_unavailable"' in response.body
+
+
+def _stand_in_appliance(release: Path) -> ApplianceReplica:
+    """A replica whose appliance is a stand-in: on SIGTERM it drains until `release` exists, then
+    exits 0."""
+    code = (
+        "import os, signal, sys, time\n"
+        "def drain(*_):\n"
+        f"    while not os.path.exists({str(release)!r}):\n"
+        "        time.sleep(0.01)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, drain)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    replica = object.__new__(ApplianceReplica)
+    replica.proc, replica.drain_timeout_s, replica._stopping = proc, 1.0, False
+    replica._dir = tempfile.TemporaryDirectory()
+    return replica
+
+
+async def test_a_stopping_replica_leaves_its_event_loop_to_the_relays(tmp_path: Path) -> None:
+    """Ray awaits the replica's __del__ on the loop that relays its requests: the appliance drains in a
+    thread, so requests that reached the replica after Ray's drain keep streaming. Here the loop itself
+    lets the stand-in appliance finish draining; a stop that blocked the loop would wait out its
+    timeout, kill the appliance and return nothing to await. Python's finalizer (no loop running)
+    stops it in place."""
+    release = tmp_path / "release"
+    replica = _stand_in_appliance(release)
+    stopping = replica.__del__()
+    assert stopping is not None, "__del__ stopped the appliance on the event loop"
+    task = asyncio.ensure_future(stopping)
+    await asyncio.sleep(0)
+    release.touch()  # by the loop, while the stop is under way
+    await asyncio.wait_for(task, 60.0)
+    assert replica.proc.returncode == 0  # drained and exited, not killed
+    assert replica.__del__() is None  # once stopped, never again
+
+    finalized = _stand_in_appliance(release)
+    assert await asyncio.to_thread(finalized.__del__) is None  # no loop in that thread: in place
+    assert finalized.proc.returncode == 0
 
 
 async def test_a_client_leaving_a_relayed_stream_closes_it_at_the_appliance(aiohttp_server) -> None:
