@@ -5,7 +5,8 @@
 # host-driven step at batch 64, greedy and sampled (t0.7, top_p 0.9), at the shipped geometry.
 # CAPACITY=256 allocates the sampler's rows as the loop does at the shipped max_seqs (this tree's
 # bench/sampler_profile.py is copied into the base for it).
-# Usage, on the GPU host: [CAPACITY=256] [PROFILE_TIMEOUT=240] bash bench/sampler_ab.sh OUT_DIR [step] [ROWS]
+# MIXES='top_k 50;top_k 1000' times only those of bench/sampler_profile.py's MIXES.
+# Usage, on the GPU host: [CAPACITY=256] [PROFILE_TIMEOUT=240] [MIXES=...] bash bench/sampler_ab.sh OUT_DIR [step] [ROWS]
 set -uo pipefail
 out=${1:?OUT_DIR}
 mode=${2:-sampler}
@@ -20,7 +21,7 @@ for tree in ${AB_ORDER:-base new}; do  # AB_ORDER="new base" to see whether the 
       --batches 64 --sampled 0 1 --steps 30 --no-loop --out "$out/step-$tree.json" 2>&1 \
       | grep -v -i warn | grep "^| 8192" | sed "s/^/$tree /")
   else
-    (cd "$dir" && PYTHONPATH=. timeout "${PROFILE_TIMEOUT:-240}" python3 bench/sampler_profile.py --rows "$rows" --capacity "${CAPACITY:-0}" \
+    (cd "$dir" && PYTHONPATH=. timeout "${PROFILE_TIMEOUT:-240}" python3 bench/sampler_profile.py --rows "$rows" --capacity "${CAPACITY:-0}" ${MIXES:+--mixes "$MIXES"} \
       --out "$out/$tree" 2>&1 \
       | grep -v -i warn | python3 -c '
 import json, sys
