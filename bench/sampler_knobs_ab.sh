@@ -17,7 +17,7 @@ for line in sys.stdin:
         continue
     if "mix" in r:
         print(f"{sys.argv[1]:<40} {r["rows"]:>3} {r["shape"]:<6} {r["mix"]:<24} mism {r["mismatches"]} "
-              f"picked {r["picked_ms"] * 1e3:6.1f} us  kernels {[(k[:16], round(v, 1)) for k, v in r["top_kernels_us"]]}")
+              f"greedy {r["greedy_ms"] * 1e3:5.1f} picked {r["picked_ms"] * 1e3:6.1f} us  kernels {[(k[:16], round(v, 1)) for k, v in r["top_kernels_us"]]}")
 '
 run() {  # DIR NAME [--knobs JSON]
   (cd "$1" && PYTHONPATH=. timeout 200 python3 bench/sampler_profile.py --rows "${ROWS:-1,64}" --capacity 256 \
