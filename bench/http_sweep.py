@@ -65,6 +65,11 @@ CASES = {
         Case("b64-t0.7-p0.9", 64, 0.7, 0.9),
         Case("b1-t0.8-k40-p0.95", 1, 0.8, 0.95, 40),
         Case("b64-t0.8-k40-p0.95", 64, 0.8, 0.95, 40),
+        # top-k alone: at t1.0 random weights give flat logits, at t0.1 peaked ones
+        Case("b1-t1.0-k50", 1, 1.0, None, 50),
+        Case("b64-t1.0-k50", 64, 1.0, None, 50),
+        Case("b1-t0.1-k50", 1, 0.1, None, 50),
+        Case("b64-t0.1-k50", 64, 0.1, None, 50),
     )
 }
 

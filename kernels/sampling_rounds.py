@@ -149,7 +149,7 @@ def _pass_chunks(
         select = kind == SELECT
         if select & (GATHER_CAP > 0):
             gather = _gathering(r, select_ptr)
-    if GATHER_CAP > 0:  # (compiled only where a row can gather: the variant with both)
+    if GATHER_CAP > 0:  # (compiled only where a row can gather: the variants with top-k)
         gather = gather | (kind == GATHER)
     for c in range(start, stop):
         if gather:
@@ -282,8 +282,8 @@ def race_and_test(
     still undecided. `top_k`: rows may have top-k (its count and cut are compiled in; without them the
     kernel keeps the registers and speed of top-p rows alone); `both`: rows may have top-k and top-p
     (their select is compiled in too, which costs rows of top-k alone). `max_registers` caps the queue kernel's
-    registers per thread (more programs per SM). `gather_cap`: with `both`, the most candidates a top-k
-    row gathers to be decided from (sampling_gather.py; 0: never, else a power of two that
+    registers per thread (more programs per SM). `gather_cap`: with `top_k` or `both`, the most candidates a
+    top-k row gathers to be decided from (sampling_gather.py; 0: never, else a power of two that
     state.gathered holds).
     Capturable: no host sync."""
     S, V = logits.shape
@@ -299,9 +299,7 @@ def race_and_test(
             f"the gather cap is sorted in one program: a power of two or 0, at most the "
             f"{state.gathered.shape[1]} state.gathered holds, got {gather_cap}"
         )
-    # Rows of top-k alone do not gather: compiled into their variant, the gathering code cost every such
-    # row about 7 µs on the H200, peaked or flat (bench/results/2026-11-29-h200-sampler-chunk-bound-gather.md).
-    gather_cap = gather_cap if both else 0
+    gather_cap = gather_cap if top_k or both else 0  # only rows with top-k gather
     registers = {"maxnreg": max_registers} if max_registers and logits.is_cuda else {}
     if registers:
         # No more programs than fit at once: one past them gets a slot only when a resident one

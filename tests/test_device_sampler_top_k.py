@@ -141,10 +141,11 @@ def test_top_k_threshold_select_equals_the_kth_largest():
     assert (select[:, 2] == LEVELS).sum() >= 4, select
 
 
-def both_step_as_reference(sampler, state, logits, params, index):
-    """One step of the variant with both at output indices `index`: every row's token is the reference's."""
+def both_step_as_reference(sampler, state, logits, params, index, variant="rejection_top_k_top_p"):
+    """One step of the variant with both (or `variant`) at output indices `index`: every row's token is
+    the reference's."""
     load_rows(state, params, index)
-    sampler.rejection_top_k_top_p()
+    getattr(sampler, variant)()
     got, want = state.sampled[: len(params)].cpu(), reference(logits, params, index)
     assert torch.equal(got, want), (index, [r for r in range(len(params)) if got[r] != want[r]])
 
@@ -200,15 +201,16 @@ def test_top_k_cut_settles_flat_rows_in_few_races():
     assert (races <= 3).all(), races
 
 
+@pytest.mark.parametrize("variant", ["rejection_top_k_top_p", "rejection_top_k"])
 @pytest.mark.parametrize("gather_cap", [0, GATHER_CAP])
-def test_top_k_rows_gather_at_their_kth_chunk_max(gather_cap):
-    """In the variant with both, a row with top_k no more than its chunks whose first winner lies below
-    k chunk maxima skips its test: it gathers the tokens at or above its k-th largest chunk max, and the
-    finisher decides it from them (kernels/sampling_gather.py), so flat rows with top-k alone and with
-    top-p settle after one race. Beside them: a tie group across chunks at the k-th value, more tied
-    maxima than the cap holds (the row falls back to its test), a row with more top_k than chunks,
-    min-p, negative logits, a row mostly -inf and a greedy row. Over three steps, each the reference's
-    token."""
+def test_top_k_rows_gather_at_their_kth_chunk_max(gather_cap, variant):
+    """In either variant with top-k, a row with top_k no more than its chunks whose first winner lies
+    below k chunk maxima skips its test: it gathers the tokens at or above its k-th largest chunk max,
+    and the finisher decides it from them (kernels/sampling_gather.py), so flat rows with top-k alone
+    and (in the variant with both) with top-p settle after one race. Beside them: a tie group across
+    chunks at the k-th value, more tied maxima than the cap holds (the row falls back to its test), a
+    row with more top_k than chunks, min-p, negative logits, a row mostly -inf and a greedy row. Over
+    three steps, each the reference's token."""
     gen = torch.Generator().manual_seed(5)
     rows, vocab, chunk = 14, 4096, 128  # 32 chunks
     logits = torch.randn(rows, vocab, generator=gen) * 0.05
@@ -225,6 +227,8 @@ def test_top_k_rows_gather_at_their_kth_chunk_max(gather_cap):
     logits[9, torch.randperm(vocab, generator=gen)[:50]] = torch.randn(50, generator=gen)
     top_k = [1, 5, 20, 32, 8, 3, 40, 20, 10, 6, 16, 4, 3, 2]
     top_p = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.6, 0.9, 1.0, 0.5, 1.0, 1.0, 0.9]
+    if variant == "rejection_top_k":  # rows of top-k alone
+        top_p = [1.0] * rows
     min_p = [0.0] * 11 + [0.5, 0.0, 0.0]
     temperature = [0.7, 1.3, 1.0, 0.5, 1.0, 1.0, 1.0, 0.8, 1.1, 1.0, 0.9, 1.0, 1.0, 1.0]
     temperature[3] = 0.0  # greedy
@@ -238,7 +242,7 @@ def test_top_k_rows_gather_at_their_kth_chunk_max(gather_cap):
     )
     overflowed = 0
     for step in range(3):
-        both_step_as_reference(sampler, state, logits, params, [step * 7 + r for r in range(rows)])
+        both_step_as_reference(sampler, state, logits, params, [step * 7 + r for r in range(rows)], variant)
         races = sampler._rejection.races[:rows].cpu()
         flat = torch.tensor([0, 1, 2, 7, 10])  # winners outside their small top-k sets
         if gather_cap:

@@ -17,10 +17,10 @@ reference's (kernels/sampling_rejection.py MASS_PRECISION), so a token can diffe
 ranked before a candidate lies within that rounding of top_p.
 
 Measured on the H200 at V = 128256 with the loop's 256 rows allocated
-(bench/results/2026-11-29-h200-sampler-chunk-bound-gather.md): greedy 0.008 ms at one row,
-0.020 ms at 64; rejection 0.02-0.04 ms at one row and 0.05-0.10 ms at 64; top-k alone 0.03-0.06 ms
-and 0.09-0.20 ms; top-k with top-p 0.04 ms and 0.12-0.15 ms (top_k 1000: 0.30 and 0.51), where the
-sorting variant this replaced took 0.28-3.3 ms and 0.43-3.5 ms.
+(bench/results/2026-11-29-h200-sampler-chunk-bound-gather.md, -top-k-gather-presence.md): greedy
+0.008 ms at one row, 0.020 ms at 64; rejection 0.02-0.04 ms at one row and 0.05-0.10 ms at 64; top-k
+alone 0.04-0.06 ms and 0.09-0.19 ms; top-k with top-p 0.04 ms and 0.12-0.15 ms (top_k 1000: 0.30 and
+0.51), where the sorting variant this replaced took 0.28-3.3 ms and 0.43-3.5 ms.
 """
 
 from __future__ import annotations
@@ -137,16 +137,17 @@ class DeviceSampler:
 
     def rejection_top_k(self) -> None:
         """`rejection`, and rows with top-k but not top-p: the test also counts the tokens above the
-        winner, and a rejected one cuts the region to the bins that hold the top-k set. Its own variant,
-        since that code costs top-p rows 2-17 µs in the register-capped kernel."""
+        winner, and a rejected one cuts the region to the bins that hold the top-k set. A row whose
+        first winner lies below k chunk maxima gathers its candidates instead (kernels/sampling_gather.py).
+        Its own variant, since that code costs top-p rows 2-17 µs in the register-capped kernel."""
         self._race_and_test(top_k=True)
 
     def rejection_top_k_top_p(self) -> None:
         """`rejection_top_k`, and rows with top-k and top-p, whose nucleus the reference normalises over
         the top-k set: their test bounds that set's mass, and where the bounds cannot decide, a select
         finds the set's threshold (kernels/sampling_select.py). A row whose first winner lies below k
-        chunk maxima gathers its candidates instead (kernels/sampling_gather.py), rows of top-k alone
-        in the batch too. Its own variant, since that code costs rows of top-k alone."""
+        chunk maxima gathers its candidates instead, as in `rejection_top_k`. Its own variant, since
+        that code costs rows of top-k alone."""
         self._race_and_test(top_k=True, both=True)
 
     def _race_and_test(self, *, top_k: bool, both: bool = False) -> None:
