@@ -119,6 +119,7 @@ def _gather_row(
     x = scaled(raw, t, PRECISE)
     top_p = tl.load(top_p_ptr + r)
     # A row without top-p has no logsumexp (the race sums only for top-p rows): its masses are not summed.
+    # (Nested: Triton's CPU interpreter cannot `&` a tensor with a scalar condition.)
     q = tl.where(in_set, tl.where(top_p < 1.0, _mass_term(raw, t, tl.load(row_lse_ptr + r)), 0.0), 0.0)
     limit = tl.where(top_p < 1.0, top_p * tl.sum(q, 0), float("inf"))
     floor = _min_p_floor(tl.load(row_max_ptr + r), tl.load(min_p_ptr + r), PRECISE)
