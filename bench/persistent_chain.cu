@@ -1,7 +1,8 @@
 // The persistent chains of bench/persistent_chain_cuda.py (16 layers of one-row QKV then O), compiled
-// by NVRTC through cupy. Three kernels: resident_chain (cp.async into a double-buffered slice),
-// resident_bulk (one bulk copy per run, unit-packed weights) and resident_ring (a TMA ring that warp 0
-// streams while 8 warps consume). Timing experiments only: nothing in the product uses them.
+// by NVRTC through cupy. Four kernels: resident_chain (cp.async into a double-buffered slice),
+// resident_bulk (one bulk copy per run, unit-packed weights), resident_ring (a TMA ring that warp 0
+// streams while 8 warps consume) and resident_flow (the ring with per-tile readiness counters in
+// place of the grid barrier). Timing experiments only: nothing in the product uses them.
 constexpr int K = 2048, NQ = 3072, NO = 2048, BUF = 3072, B = 64, KT = K / B, UNITS = 12;
 constexpr int THREADS = 256, SLICE = UNITS * B * B;  // bf16 elements of one buffered slice
 typedef unsigned short bf16;  // no header: the top half of a float
@@ -199,6 +200,40 @@ __device__ __forceinline__ void fma8(float* acc, uint4 w, float x) {
   }
 }
 
+// Warp 0's lane 0 in the ring kernels: every phase's run, a unit at a time, into the ring's stages as
+// they are released; it never waits for anything but a free stage.
+__device__ __forceinline__ void stream_units(const bf16* packed, int phases, bf16* ring, unsigned long long* full,
+                                             unsigned long long* empty, long long* stamps) {
+  int c = 0;
+  for (int p = 0; p < phases; ++p) {
+    int lo, hi, N;
+    run_of(p, gridDim.x, lo, hi, N);
+    const bf16* first = packed + phase_first_unit(p) * B * B;
+    for (int u = lo; u < hi; ++u, ++c) {
+      const int st = c % RING;
+      wait_full(empty + st, ((c / RING) & 1u) ^ 1u);  // the stage's last unit has been read
+      const unsigned int b = shared_address(full + st), bytes = B * B * 2;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(shared_address(ring + st * B * B)), "l"(first + (size_t)u * B * B), "r"(bytes), "r"(b)
+                   : "memory");
+      if (u == lo) stamp(stamps, phases, p, 6);
+      if (u + 1 == hi) stamp(stamps, phases, p, 7);
+    }
+  }
+}
+
+__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < RING; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(full + s)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(shared_address(empty + s)) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 resident_ring(float* act, const bf16* packed, unsigned int* counter, int layers, int skip,
               long long* stamps) {
@@ -217,40 +252,14 @@ resident_ring(float* act, const bf16* packed, unsigned int* counter, int layers,
   unsigned long long* empty = full + RING;
   const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int phases = 2 * layers;
-  if (tid == 0) {
-    for (int s = 0; s < RING; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(full + s)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(shared_address(empty + s)) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring(full, empty);
   long long* calibration = stamps ? stamps + (size_t)G * phases * STAMPS : nullptr;
   if (calibration && blockIdx.x == 0 && tid == 32) {
     calibration[0] = globaltimer();
     calibration[1] = clock64();
   }
   if (warp == 0) {
-    if (lane == 0) {
-      int c = 0;
-      for (int p = 0; p < phases; ++p) {
-        int lo, hi, N;
-        run_of(p, G, lo, hi, N);
-        const bf16* first = packed + phase_first_unit(p) * B * B;
-        for (int u = lo; u < hi; ++u, ++c) {
-          const int st = c % RING;
-          wait_full(empty + st, ((c / RING) & 1u) ^ 1u);  // the stage's last unit has been read
-          const unsigned int b = shared_address(full + st), bytes = B * B * 2;
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                  shared_address(ring + st * B * B)),
-              "l"(first + (size_t)u * B * B), "r"(bytes), "r"(b) : "memory");
-          if (u == lo) stamp(stamps, phases, p, 6);
-          if (u + 1 == hi) stamp(stamps, phases, p, 7);
-        }
-      }
-    }
+    if (lane == 0) stream_units(packed, phases, ring, full, empty, stamps);
     return;
   }
   const int t = tid - 32, cw = warp - 1, n8 = t % 8, kk = t / 8;  // 8 columns, k rows kk and kk + 32
@@ -337,4 +346,114 @@ resident_ring(float* act, const bf16* packed, unsigned int* counter, int layers,
     calibration[2] = globaltimer();
     calibration[3] = clock64();
   }
+}
+
+// resident_flow: the ring without a grid barrier. Every phase adds into a buffer of its own (zeroed
+// before the launch); when a program has added an output tile's sums it counts itself in that tile's
+// readiness word. A consumer warp starts a phase once the tiles its units read are complete (every
+// program that adds into them has counted itself), with no CTA barrier: each warp holds its two
+// input values per unit in registers. The consumers meet only to add up a tile's sums.
+constexpr int TILES = NQ / B;  // readiness words per phase
+
+__device__ __forceinline__ int run_start(int g, int units, int G) { return (int)((long long)g * units / G); }
+
+__device__ __forceinline__ int owner(int u, int units, int G) {  // the program whose run holds unit u
+  int g = (int)(((long long)u * G) / units);
+  while (g + 1 < G && run_start(g + 1, units, G) <= u) ++g;
+  while (g > 0 && run_start(g, units, G) > u) --g;
+  return g;
+}
+
+__device__ __forceinline__ unsigned int load_relaxed(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
+resident_flow(float* act, const bf16* packed, unsigned int* counter, int layers) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* ring = reinterpret_cast<bf16*>(smem);
+  float* part = reinterpret_cast<float*>(ring + RING * B * B);  // [8 consumer warps][64 n]
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(part + 8 * B);
+  unsigned long long* empty = full + RING;
+  unsigned int* ready = counter + 1;  // [phases][TILES]
+  const int G = gridDim.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int phases = 2 * layers;
+  init_ring(full, empty);
+  if (warp == 0) {
+    if (lane == 0) stream_units(packed, phases, ring, full, empty, nullptr);
+    return;
+  }
+  const int n8 = lane % 8, kk = (warp - 1) * 4 + lane / 8;  // 8 columns, k rows kk and kk + 32
+  int c = 0;
+  for (int p = 0; p < phases; ++p) {
+    int lo, hi, N;
+    run_of(p, G, lo, hi, N);
+    const int n_units = hi - lo;
+    const float* src = act + (size_t)p * BUF;
+    float* dst = act + (size_t)(p + 1) * BUF;
+    if (p > 0) {  // wait until every tile this run reads is complete, then acquire
+      const int prev_units = ((p - 1) % 2 == 0 ? NQ / B : NO / B) * KT;
+      // lane j watches the tile of the run's unit j: one request a poll for the warp, then a pause
+      const int kt = (lo + lane) % KT;
+      const unsigned int need =
+          lane < n_units ? (unsigned int)(owner((kt + 1) * KT - 1, prev_units, G) - owner(kt * KT, prev_units, G) + 1) : 0u;
+      const unsigned int* word = ready + (p - 1) * TILES + kt;
+      while (!__all_sync(0xffffffffu, lane >= n_units || load_relaxed(word) >= need)) __nanosleep(32);
+      // the acquire: each lane's fence orders its own observation, the warp barrier hands it on
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      __syncwarp();
+    }
+    float xa[UNITS], xb[UNITS];
+#pragma unroll
+    for (int j = 0; j < UNITS; ++j) {
+      const int kt = (lo + j) % KT;
+      xa[j] = j < n_units ? __ldcg(src + kt * B + kk) : 0.f;
+      xb[j] = j < n_units ? __ldcg(src + kt * B + kk + 32) : 0.f;
+    }
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < UNITS; ++j) {
+      if (j < n_units) {
+        const int u = lo + j, st = c % RING, nt = u / KT;
+        wait_full(full + st, (c / RING) & 1u);
+        const bf16* unit = ring + st * B * B;
+        fma8(acc, *reinterpret_cast<const uint4*>(unit + kk * B + n8 * 8), xa[j]);
+        fma8(acc, *reinterpret_cast<const uint4*>(unit + (kk + 32) * B + n8 * 8), xb[j]);
+        __syncwarp();
+        if (lane == 0) arrive(empty + st);
+        ++c;
+        if (u + 1 == hi || (u + 1) / KT != nt) {  // this output tile's last unit in the run
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
+            acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
+          }
+          if (lane < 8) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) part[(warp - 1) * B + n8 * 8 + i] = acc[i];
+          }
+          consumer_sync();
+          if (warp == 1) {  // the tile's 64 sums, two columns a lane, then its readiness word
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float v = 0.f;
+#pragma unroll
+              for (int w = 0; w < 8; ++w) v += part[w * B + h * 32 + lane];
+              atomicAdd(dst + nt * B + h * 32 + lane, v);
+            }
+            __syncwarp();
+            if (lane == 0) {
+              asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready + p * TILES + nt) : "memory");
+            }
+          }
+          consumer_sync();  // part is free again
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+        }
+      }
+    }
+  }
+  if (lane == 0) atomicAdd(counter, 1u);
 }

@@ -5,14 +5,17 @@ ahead of the grid barrier, so the weight stream need not stop at a barrier.
     PYTHONPATH=. python3 bench/persistent_chain_cuda.py [--layers 16] [--out FILE]
 
 Work is cut into units (64 k x 64 n weight tiles); a phase gives every program an equal run of at
-most 12 units, K tiles inner (stream-K). Three kernels:
+most 12 units, K tiles inner (stream-K). Four kernels:
 - `resident_chain`: cp.async copies of the next run's slice into the other half of a 192 KB double
   buffer, issued before the barrier;
 - `resident_bulk`: the same with one bulk (TMA) copy a run, from weights packed unit-major
   (`pack_units`), so a run is contiguous;
 - `resident_ring`: warp 0 streams the packed units through a 24-stage ring and never waits on the
   barrier; 8 warps take the barrier, stage the phase's input from L2, multiply each unit as it lands
-  and add each output tile's sums into the next buffer with atomics.
+  and add each output tile's sums into the next buffer with atomics;
+- `resident_flow`: the ring with no grid barrier: a buffer per phase, and a readiness word per
+  output tile that each program adding into it counts itself in; a consumer warp starts a phase when
+  the tiles it reads are complete.
 Each is checked against torch, then timed beside `chain` (the forward's own PDL-chained skinny_gemm
 kernels) in the same call. `skip` flags time the ring and the bulk kernel with parts left out (their
 results are then wrong), and `ring_timeline` stamps the ring's phases on the SM clock.
@@ -60,6 +63,9 @@ class ResidentChain:
         if kernel == "resident_ring":
             self.threads = THREADS + 32
             self.smem = RING * BLOCK * BLOCK * 2 + HIDDEN * 4 + 8 * BLOCK * 4 + 2 * RING * 8
+        elif kernel == "resident_flow":
+            self.threads = THREADS + 32
+            self.smem = RING * BLOCK * BLOCK * 2 + 8 * BLOCK * 4 + 2 * RING * 8
         else:
             self.threads = THREADS
             self.smem = 2 * UNITS * BLOCK * BLOCK * 2 + HIDDEN * 4 + 4 * BLOCK * 4 + 16
@@ -102,6 +108,27 @@ def ring_timeline(ring, act, packed, counter, programs, layers, x0) -> dict:
         out[kind] = {n: round(v, 3) for n, v in zip(STAMP_NAMES, med.tolist(), strict=True)}
         out[kind]["period"] = round(period[:, first::2].median().item(), 3)
     return out
+
+
+def flow_row(act, packed, programs, layers, x0, ref) -> dict:
+    """resident_flow checked, then timed: a buffer a phase (act [phases + 1, BUF]) and a readiness word
+    per phase and output tile after the arrivals word."""
+    flow = ResidentChain("resident_flow")
+    counter = torch.zeros(1 + 2 * layers * (QKV // BLOCK), dtype=torch.int32, device="cuda")
+
+    def fn() -> None:
+        act.zero_()
+        act[0, :HIDDEN].copy_(x0)
+        flow(act, (packed,), counter, programs, layers)
+
+    fn()
+    torch.cuda.synchronize()
+    out = act[2 * layers, :HIDDEN]
+    err = ((out - ref).norm() / ref.norm()).item()
+    arrivals = int(counter[0].item())
+    ok = err < 2e-2 and arrivals == programs * 8
+    return {"variant": f"cuda resident_flow, {programs} programs", "us": graph_us(fn) if ok else float("nan"),
+            "rel_err": err, "arrivals": arrivals}  # fmt: skip
 
 
 def main() -> None:
@@ -170,9 +197,14 @@ def main() -> None:
             out = act[(2 * args.layers) % 3, :HIDDEN]
             row = {"rel_err": ((out - ref).norm() / ref.norm()).item(), "arrivals": int(counter.item())}
         rows.append({"variant": label, "us": graph_us(timing_only), **row})
+    act_flow = torch.zeros(2 * args.layers + 1, BUF, device=dev)
+    rows.append(flow_row(act_flow, packed, sms, args.layers, x0, ref))
     rows.append({"variant": "chain again", "us": graph_us(lambda: chain(x, wq, wo, partials, stream))})
     rows.append(
         {"variant": "empty graph node (act reset)", "us": graph_us(lambda: (act.zero_(), counter.zero_()))}
+    )
+    rows.append(
+        {"variant": "empty graph node (resident_flow's reset)", "us": graph_us(lambda: act_flow.zero_())}
     )
     name = torch.cuda.get_device_name(0)
     print(f"## {name}, {args.layers} layers of QKV + O at one row, graph replay, us")
