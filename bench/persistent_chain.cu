@@ -200,6 +200,22 @@ __device__ __forceinline__ void fma8(float* acc, uint4 w, float x) {
   }
 }
 
+// A consumer warp's partial sums of an output tile, over its 4 k rows a lane group and then into
+// part[warp][64 n] (lanes 0-7 hold 8 columns each), for the CTA to add up; acc starts over.
+__device__ __forceinline__ void warp_sums_to_part(float* acc, float* part, int consumer_warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
+    acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) part[consumer_warp * B + lane * 8 + i] = acc[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+}
+
 // Warp 0's lane 0 in the ring kernels: every phase's run, a unit at a time, into the ring's stages as
 // they are released; it never waits for anything but a free stage.
 __device__ __forceinline__ void stream_units(const bf16* packed, int phases, bf16* ring, unsigned long long* full,
@@ -313,15 +329,7 @@ resident_ring(float* act, const bf16* packed, unsigned int* counter, int layers,
       __syncwarp();
       if (lane == 0) arrive(empty + st);
       if (u + 1 == hi || (u + 1) / KT != nt) {  // this output tile's last unit in the run: add it up
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
-          acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
-        }
-        if (lane < 8) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) part[cw * B + n8 * 8 + i] = acc[i];
-        }
+        warp_sums_to_part(acc, part, cw, lane);
         consumer_sync();
         if (t < B) {
           float v = 0.f;
@@ -330,8 +338,6 @@ resident_ring(float* act, const bf16* packed, unsigned int* counter, int layers,
           atomicAdd(dst + nt * B + t, v);
         }
         consumer_sync();
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
       }
     }
     if (t == 0) stamp(stamps, phases, p, 5);
@@ -425,15 +431,7 @@ resident_flow(float* act, const bf16* packed, unsigned int* counter, int layers)
         if (lane == 0) arrive(empty + st);
         ++c;
         if (u + 1 == hi || (u + 1) / KT != nt) {  // this output tile's last unit in the run
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
-            acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
-          }
-          if (lane < 8) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) part[(warp - 1) * B + n8 * 8 + i] = acc[i];
-          }
+          warp_sums_to_part(acc, part, warp - 1, lane);
           consumer_sync();
           if (warp == 1) {  // the tile's 64 sums, two columns a lane, then its readiness word
 #pragma unroll
@@ -449,8 +447,6 @@ resident_flow(float* act, const bf16* packed, unsigned int* counter, int layers)
             }
           }
           consumer_sync();  // part is free again
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = 0.f;
         }
       }
     }

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from blink_appliance.kernels.skinny_gemm import skinny_gemm
 
+from bench.graph_timing import replay_us
+
 HIDDEN, QKV = 2048, 3072
 BUF = QKV  # every activation buffer holds the widest phase output
 
@@ -207,39 +209,28 @@ def chain(x, wq, wo, partials, stream):
         skinny_gemm(x, wo[layer].t(), stream, split_k=4, accumulate=True, pdl=True)
 
 
-def graph_us(fn, replays=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(20):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / replays)
-    return best
+def problem(layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random weights of the real shapes, scaled to keep the chain's norm, and the first input."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = HIDDEN**-0.5
+    wq = (torch.randn(layers, HIDDEN, QKV, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    wo = (torch.randn(layers, HIDDEN, HIDDEN, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    return wq, wo, torch.randn(HIDDEN, device="cuda", generator=gen)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device=dev).manual_seed(0)
-    scale = HIDDEN**-0.5
-    wq = (torch.randn(args.layers, HIDDEN, QKV, device=dev, generator=gen) * scale).to(torch.bfloat16)
-    wo = (torch.randn(args.layers, HIDDEN, HIDDEN, device=dev, generator=gen) * scale).to(torch.bfloat16)
-    x0 = torch.randn(HIDDEN, device=dev, generator=gen)
-    act = torch.zeros(3, BUF, device=dev)
+    wq, wo, x0 = problem(args.layers)
+    act = torch.zeros(3, BUF, device=dev)  # the phases' inputs and outputs, in turn
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     ref = reference(x0, wq, wo)
 
@@ -264,13 +255,13 @@ def main() -> None:
     partials = torch.zeros(4, 1, QKV, device=dev)
     stream = torch.zeros(1, HIDDEN, device=dev)
     rows.append(
-        {"variant": "chain (skinny_gemm, PDL)", "us": graph_us(lambda: chain(x, wq, wo, partials, stream))}
+        {"variant": "chain (skinny_gemm, PDL)", "us": replay_us(lambda: chain(x, wq, wo, partials, stream))}
     )
     rows.append(
-        {"variant": f"barriers only, {sms} programs", "us": graph_us(run(sms, 64, 64, 4, 3, work=False))}
+        {"variant": f"barriers only, {sms} programs", "us": replay_us(run(sms, 64, 64, 4, 3, work=False))}
     )
     rows.append(
-        {"variant": "empty graph node (act reset)", "us": graph_us(lambda: (act.zero_(), counter.zero_()))}
+        {"variant": "empty graph node (act reset)", "us": replay_us(lambda: (act.zero_(), counter.zero_()))}
     )
     variants = [("persistent programs={} block_n={} block_k={} warps={} stages={}".format(*v), run(*v))
                 for v in ((sms, 128, 64, 4, 4), (2 * sms, 64, 64, 4, 3), (sms, 128, 64, 8, 6))]  # fmt: skip
@@ -284,7 +275,7 @@ def main() -> None:
         arrivals = int(counter.item())
         programs = int(label.split("programs=")[1].split()[0])
         ok = err < 2e-2 and arrivals == programs * 2 * args.layers
-        rows.append({"variant": label, "us": graph_us(fn) if ok else float("nan"), "rel_err": err,
+        rows.append({"variant": label, "us": replay_us(fn) if ok else float("nan"), "rel_err": err,
                      "arrivals": arrivals})  # fmt: skip
     name = torch.cuda.get_device_name(0)
     print(f"## {name}, {args.layers} layers of QKV + O at one row, graph replay, us")

@@ -23,7 +23,6 @@ results are then wrong), and `ring_timeline` stamps the ring's phases on the SM 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -31,7 +30,8 @@ import cupy
 import numpy as np
 import torch
 
-from bench.persistent_chain import BUF, HIDDEN, QKV, chain, graph_us, reference
+from bench.graph_timing import replay_us
+from bench.persistent_chain import BUF, HIDDEN, QKV, arguments, chain, problem, reference
 
 RING = 24  # resident_ring's stages of one unit
 UNITS = 12  # the most units a program takes in a phase (QKV: 1536 units over 132 programs)
@@ -127,25 +127,18 @@ def flow_row(act, packed, programs, layers, x0, ref) -> dict:
     err = ((out - ref).norm() / ref.norm()).item()
     arrivals = int(counter[0].item())
     ok = err < 2e-2 and arrivals == programs * 8
-    return {"variant": f"cuda resident_flow, {programs} programs", "us": graph_us(fn) if ok else float("nan"),
+    return {"variant": f"cuda resident_flow, {programs} programs", "us": replay_us(fn) if ok else float("nan"),
             "rel_err": err, "arrivals": arrivals}  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = arguments()
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device=dev).manual_seed(0)
-    scale = HIDDEN**-0.5
-    wq = (torch.randn(args.layers, HIDDEN, QKV, device=dev, generator=gen) * scale).to(torch.bfloat16)
-    wo = (torch.randn(args.layers, HIDDEN, HIDDEN, device=dev, generator=gen) * scale).to(torch.bfloat16)
-    x0 = torch.randn(HIDDEN, device=dev, generator=gen)
+    wq, wo, x0 = problem(args.layers)
+    ref = reference(x0, wq, wo, round_input=False)
     act = torch.zeros(3, BUF, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    ref = reference(x0, wq, wo, round_input=False)
     packed = pack_units(wq, wo)
     if QKV // BLOCK * (HIDDEN // BLOCK) > UNITS * sms:
         raise SystemExit(f"{sms} SMs: a QKV run would exceed {UNITS} units")
@@ -154,7 +147,7 @@ def main() -> None:
     partials = torch.zeros(4, 1, QKV, device=dev)
     stream = torch.zeros(1, HIDDEN, device=dev)
     rows = [
-        {"variant": "chain (skinny_gemm, PDL)", "us": graph_us(lambda: chain(x, wq, wo, partials, stream))}
+        {"variant": "chain (skinny_gemm, PDL)", "us": replay_us(lambda: chain(x, wq, wo, partials, stream))}
     ]
     kernels = (("resident_chain", (wq, wo)), ("resident_ring", (packed,)), ("resident_bulk", (packed,)))
     for kernel, weights in kernels:
@@ -172,7 +165,7 @@ def main() -> None:
         err = ((out - ref).norm() / ref.norm()).item()
         arrivals = int(counter.item())
         ok = err < 2e-2 and arrivals == sms * 2 * args.layers
-        rows.append({"variant": f"cuda {kernel}, {sms} programs", "us": graph_us(fn) if ok else float("nan"),
+        rows.append({"variant": f"cuda {kernel}, {sms} programs", "us": replay_us(fn) if ok else float("nan"),
                      "rel_err": err, "arrivals": arrivals})  # fmt: skip
     ring = ResidentChain("resident_ring")
     diagnostics = (("ring", 1, "barrier waits"), ("ring", 4, "multiply"), ("ring", 5, "waits, multiply"),
@@ -196,15 +189,15 @@ def main() -> None:
             torch.cuda.synchronize()
             out = act[(2 * args.layers) % 3, :HIDDEN]
             row = {"rel_err": ((out - ref).norm() / ref.norm()).item(), "arrivals": int(counter.item())}
-        rows.append({"variant": label, "us": graph_us(timing_only), **row})
+        rows.append({"variant": label, "us": replay_us(timing_only), **row})
     act_flow = torch.zeros(2 * args.layers + 1, BUF, device=dev)
     rows.append(flow_row(act_flow, packed, sms, args.layers, x0, ref))
-    rows.append({"variant": "chain again", "us": graph_us(lambda: chain(x, wq, wo, partials, stream))})
+    rows.append({"variant": "chain again", "us": replay_us(lambda: chain(x, wq, wo, partials, stream))})
     rows.append(
-        {"variant": "empty graph node (act reset)", "us": graph_us(lambda: (act.zero_(), counter.zero_()))}
+        {"variant": "empty graph node (act reset)", "us": replay_us(lambda: (act.zero_(), counter.zero_()))}
     )
     rows.append(
-        {"variant": "empty graph node (resident_flow's reset)", "us": graph_us(lambda: act_flow.zero_())}
+        {"variant": "empty graph node (resident_flow's reset)", "us": replay_us(lambda: act_flow.zero_())}
     )
     name = torch.cuda.get_device_name(0)
     print(f"## {name}, {args.layers} layers of QKV + O at one row, graph replay, us")

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.graph_timing import replay_us
+
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
@@ -61,26 +63,6 @@ def set_carveout(kernel, percent: int) -> None:
     )
     if rc != 0:
         raise RuntimeError(f"cuFuncSetAttribute: {rc}")
-
-
-def replay_us(fn, reps: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(20):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / reps * 1000.0)
-    return best
 
 
 def main() -> None:
