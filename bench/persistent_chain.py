@@ -14,6 +14,8 @@ Both sides run 16 layers of one-row QKV (2048 -> 3072) then O (2048 -> 2048), bf
   of K tiles, one run a program (stream-K: no partial second wave), adds the run's product into the
   phase's fp32 output with atomics, then meets every other program at a grid barrier (an atomic
   counter, released and acquired at GPU scope) before the next phase reads that output.
+- `resident`: the persistent kernel with each program's next-phase weights loaded into registers (a
+  block of 8 units and one of 4, units of 64 x 64) before the barrier that ends the phase before.
 - `barriers`: the persistent kernel with no weights: what 32 barriers cost alone.
 
 The persistent kernel's output is checked against torch (fp32, the input rounded to bf16 each phase
