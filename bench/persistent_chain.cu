@@ -105,6 +105,12 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
   return (unsigned int)__cvta_generic_to_shared(p);
 }
 
+// The first unit of a phase in the packed weights: each layer's QKV units, then its O units.
+__device__ __forceinline__ size_t phase_first_unit(int phase) {
+  const size_t layer_units = (size_t)(NQ / B + NO / B) * KT;
+  return (size_t)(phase / 2) * layer_units + (phase % 2 ? (NQ / B) * KT : 0);
+}
+
 // The phase's run as one bulk copy (the tensor memory accelerator), completing on `bar`: the weights
 // are packed unit-major (each layer's QKV units then its O units, unit u = nt * KT + kt, [k][n]), so a
 // program's run is one contiguous range.
@@ -113,8 +119,7 @@ __device__ __forceinline__ void issue_bulk(int phase, int phases, const bf16* pa
   if (threadIdx.x != 0 || phase >= phases) return;
   int lo, hi, N;
   run_of(phase, gridDim.x, lo, hi, N);
-  const size_t layer_units = (size_t)(NQ / B + NO / B) * KT;
-  const size_t first = (size_t)(phase / 2) * layer_units + (phase % 2 ? (NQ / B) * KT : 0) + lo;
+  const size_t first = phase_first_unit(phase) + lo;
   const unsigned int bytes = (unsigned int)(hi - lo) * B * B * 2;
   const unsigned int b = shared_address(bar);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -184,11 +189,6 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;
 
 __device__ __forceinline__ void arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
-}
-
-__device__ __forceinline__ size_t phase_first_unit(int phase) {
-  const size_t layer_units = (size_t)(NQ / B + NO / B) * KT;
-  return (size_t)(phase / 2) * layer_units + (phase % 2 ? (NQ / B) * KT : 0);
 }
 
 __device__ __forceinline__ void fma8(float* acc, uint4 w, float x) {
