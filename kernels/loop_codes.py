@@ -55,6 +55,7 @@ class ScheduleCounters(NamedTuple):
     records_unaddressable: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    steady_steps: int
 
 
 class CommitCounters(NamedTuple):

@@ -11,7 +11,9 @@ launch can sit in a CUDA graph with no host in the loop.
 
 `schedule_kernel` is the program's steps in order; each step is a helper (Triton inlines them, so
 the program is the same as one function): ring intake in schedule_records.py, the KV blocks and the
-prefix cache in prefix_cache.py, the batch in schedule_batch.py, the outputs in schedule_step.py. Every code and
+prefix cache in prefix_cache.py, the batch in schedule_batch.py, the outputs in schedule_step.py. A
+step that repeats the last one's batch, every sequence decoding, takes the short path of
+schedule_steady.py instead of the batch and the outputs. Every code and
 offset it shares with the rest of the project arrives as a constexpr (kernels/loop_codes.py).
 
 How it is laid out for speed: per-slot state lives in registers as [BLOCK_D] vectors; running
@@ -53,6 +55,7 @@ from blink_appliance.kernels.prefix_cache import BlockTensors, close_lru, open_l
 from blink_appliance.kernels.ring_access import now_ns, phase_stamp
 from blink_appliance.kernels.schedule_batch import build_batch
 from blink_appliance.kernels.schedule_records import read_ring_words, take_records
+from blink_appliance.kernels.schedule_steady import decode_again, steady_decodes
 from blink_appliance.kernels.schedule_step import counter_deltas, finish_step_tables, write_forward_inputs
 
 
@@ -173,6 +176,7 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
     BLOCK_STOP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_RANK: tl.constexpr,
     BLOCK_HASH: tl.constexpr, BLOCK_SCORE: tl.constexpr, ON_GPU: tl.constexpr,  # ON_GPU: inline PTX on the ring and the clock
+    STEADY: tl.constexpr,  # the steady decode step (kernels/schedule_steady.py); off only to test it against the full one
     # codes and offsets the launcher fills by name (kernels/loop_codes.py)
     SLOT: tl.constexpr, FINISH: tl.constexpr, ERROR: tl.constexpr, COUNTER: tl.constexpr,
     CONTROL: tl.constexpr, RECORD: tl.constexpr, CHANNEL: tl.constexpr,
@@ -216,6 +220,8 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
         BLOCK_R, BLOCK_D, SLOT, CONTROL, CHANNEL, ON_GPU,
     )  # fmt: skip
     phase_stamp(stamps_ptr, 1, STAMPS)
+    free_d, n_records = _records_to_take(st, md, position, seq_word, SLOT)
+    cancelled = addressable & (cancel_word == gen_d)
 
     # What the step ends up with (the shutdown branch leaves them empty).
     nseq = tl.full([], 0, tl.int32)  # sequences in the batch
@@ -230,7 +236,22 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
     n_queried = tl.full([], 0, tl.int32)  # prefix cache: tokens of the admissions that looked up
     n_hit = tl.full([], 0, tl.int32)  # and of those, found cached
 
-    if shutdown != 0:
+    # 0. The last step's batch decoding again (kernels/schedule_steady.py), the common serving step.
+    table_rows = tl.load(scratch_ptr + BLOCK_D + BLOCK_S + 1)  # the last forward step's sequences
+    no_ring_work = (shutdown == 0) & (tl.sum(cancelled.to(tl.int32), 0) == 0) & (n_records == 0)
+    steady, ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k = steady_decodes(
+        no_ring_work, st, md, top, n_cached, table_width, table_rows, step_num_tokens_ptr, offs_s, slots, step,
+        BS, PBS, LIMIT, BE_BATCH, STEADY, SLOT,
+    )  # fmt: skip
+    if steady:
+        top, lru_head, n_cached, table_width = decode_again(
+            ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k, top, lru_head, lru_tail, n_cached, offs_s,
+            free_blocks_ptr, slots, blocks, step, BS, MAXB, MAX_MODEL_LEN, BLOCK_J, C, Q, BLOCK_L,
+        )  # fmt: skip
+        nseq, ntot = table_rows, table_rows
+        for i in tl.static_range(2, 12):
+            phase_stamp(stamps_ptr, i, STAMPS)  # the whole steady step shows as "cancels"
+    elif shutdown != 0:
         # 1. Shutdown: every live slot ends with ABORT / SHUTDOWN; nothing is admitted or scheduled.
         # Records still in the ring stay there for the host to drain once the loop has ended.
         top, lru_tail, n_cached = _end_slots(live, nb_d, top, lru_tail, n_cached, ERROR.SHUTDOWN, free_blocks_ptr, slots,
@@ -239,14 +260,14 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
     else:
         # 2. Cancels: a live slot whose channel's cancel word equals its generation.
         st, top, lru_tail, n_cached, n_cancelled = _apply_cancels(
-            st, top, lru_tail, n_cached, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr, slots, blocks,
+            st, top, lru_tail, n_cached, cancelled, nb_d, free_blocks_ptr, slots, blocks,
             MAXB, BLOCK_D, BLOCK_J, Q, SLOT, FINISH,
         )  # fmt: skip
         phase_stamp(stamps_ptr, 2, STAMPS)
 
         # 3. Records from the ring: the published run starting at req_tail, at most one per free slot.
         n_admitted, n_rejected, n_cancelled, n_unaddressable, next_arrival, st = _take_published(
-            st, ch_d, md, tail, arena_tail, rec, position, seq_word, next_arrival, n_cancelled, clock, engine_seed,
+            st, ch_d, md, free_d, n_records, tail, arena_tail, rec, next_arrival, n_cancelled, clock, engine_seed,
             ring_ptr, snap_ptr, slots, OFF_CTL, OFF_PROG, OFF_ARENA, ARENA_TOKENS, MAX_PROMPT, MAX_INFLIGHT,
             MAX_OUTPUT, MAX_STOP, AREAS, MAX_BIAS, BIAS_TILE, PBS, HSTRIDE, MAX_MODEL_LEN, VOCAB, BLOCK_D,
             BLOCK_R, BLOCK_STOP, BLOCK_P, SLOT, FINISH, ERROR, CONTROL, RECORD, CHANNEL, ON_GPU,
@@ -265,29 +286,48 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
             )
         )  # fmt: skip
 
-    # 5. The rest of the step tables (unused sequences and sample rows), the SWITCH values.
+    if steady.to(tl.int32) == 0:
+        # 5 and 6. The rest of the step tables and the SWITCH values, then the forward's inputs.
+        table_width = _step_outputs(
+            nseq, ntot, nsamp, sampler_index, table_width, table_rows, offs_s, slots, step, buckets_ptr,
+            step_num_tokens_ptr, bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, stamps_ptr,
+            S, NUM_BUCKETS, BS, MAXB, MAX_MODEL_LEN, BLOCK_S, BLOCK_S1, BLOCK_NB, BLOCK_T, BLOCK_C, BLOCK_ROWS,
+            STAMPS,
+        )  # fmt: skip
+
+    # 7. Counters, active slots, and the words read at the start written back.
+    delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried,
+                           n_hit, steady, BLOCK_NC, COUNTER)  # fmt: skip
+    _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS, BLOCK_NC, SLOT)
+    _store_words(top, lru_head, lru_tail, n_cached, next_arrival, next_run_order, table_width, nseq, ntot,
+                 free_top_ptr, lru_words_ptr, next_arrival_ptr, next_run_order_ptr, scratch_ptr + BLOCK_D + BLOCK_S)  # fmt: skip
+    phase_stamp(stamps_ptr, 12, STAMPS)
+
+
+@triton.jit
+def _step_outputs(
+    nseq, ntot, nsamp, sampler_index, table_width, table_rows, offs_s, slots, step, buckets_ptr,
+    step_num_tokens_ptr, bucket_index_ptr, sampler_index_ptr, num_sample_rows_ptr, stamps_ptr,
+    S: tl.constexpr, NUM_BUCKETS: tl.constexpr, BS: tl.constexpr, MAXB: tl.constexpr,
+    MAX_MODEL_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_NB: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, STAMPS: tl.constexpr,
+):  # fmt: skip
+    """A full step's outputs once its batch is known: the rest of the step tables (unused sequences
+    and sample rows) and the SWITCH values, then the forward's token rows (bucket padding included)
+    and block tables. Returns the block-table width the rows need now."""
     bucket = finish_step_tables(
         nseq, ntot, nsamp, sampler_index, offs_s, step, buckets_ptr, step_num_tokens_ptr, bucket_index_ptr,
         sampler_index_ptr, num_sample_rows_ptr, S, NUM_BUCKETS, BLOCK_S, BLOCK_S1, BLOCK_NB,
     )  # fmt: skip
     phase_stamp(stamps_ptr, 10, STAMPS)
-
-    # 6. The forward's token rows (bucket padding included) and block tables.
     tl.debug_barrier()  # step tables, block tables and prompt copies above are visible to every thread
     if ntot > 0:
         table_width = write_forward_inputs(
-            nseq, ntot, bucket, table_width, tl.load(scratch_ptr + BLOCK_D + BLOCK_S + 1), offs_s, slots, step,
+            nseq, ntot, bucket, table_width, table_rows, offs_s, slots, step,
             S, BS, MAXB, MAX_MODEL_LEN, BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_ROWS,
         )  # fmt: skip
     phase_stamp(stamps_ptr, 11, STAMPS)
-
-    # 7. Counters, active slots, and the words read at the start written back.
-    delta = counter_deltas(ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried,
-                           n_hit, BLOCK_NC, COUNTER)  # fmt: skip
-    _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS, BLOCK_NC, SLOT)
-    _store_words(top, lru_head, lru_tail, n_cached, next_arrival, next_run_order, table_width, nseq, ntot,
-                 free_top_ptr, lru_words_ptr, next_arrival_ptr, next_run_order_ptr, scratch_ptr + BLOCK_D + BLOCK_S)  # fmt: skip
-    phase_stamp(stamps_ptr, 12, STAMPS)
+    return table_width
 
 
 @triton.jit
@@ -307,7 +347,7 @@ def _store_words(top, lru_head, lru_tail, n_cached, next_arrival, next_run_order
 
 @triton.jit
 def _take_published(
-    st, ch_d, md, tail, arena_tail, rec, position, seq_word, next_arrival, n_cancelled, clock, engine_seed,
+    st, ch_d, md, free_d, n_records, tail, arena_tail, rec, next_arrival, n_cancelled, clock, engine_seed,
     ring_ptr, snap_ptr, slots,
     OFF_CTL: tl.constexpr, OFF_PROG: tl.constexpr, OFF_ARENA: tl.constexpr, ARENA_TOKENS: tl.constexpr,
     MAX_PROMPT: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MAX_OUTPUT: tl.constexpr, MAX_STOP: tl.constexpr,
@@ -317,13 +357,9 @@ def _take_published(
     FINISH: tl.constexpr, ERROR: tl.constexpr, CONTROL: tl.constexpr, RECORD: tl.constexpr,
     CHANNEL: tl.constexpr, ON_GPU: tl.constexpr,
 ):  # fmt: skip
-    """The published records at req_tail, at most one per free slot, taken (take_records); a slot
-    taken now waits from this step on (aging). Returns (admitted, rejected, n_cancelled,
-    unaddressable, next_arrival, the slot states)."""
-    unpublished = (seq_word != position + 1).to(tl.int32)
-    published = tl.sum((tl.cumsum(unpublished, 0) == 0).to(tl.int32), 0)
-    free_d = md & (st == SLOT.FREE)
-    n_records = tl.minimum(published, tl.sum(free_d.to(tl.int32), 0))
+    """The first n_records published records at req_tail taken (take_records) into free slots
+    (free_d); a slot taken now waits from this step on (aging). Returns (admitted, rejected,
+    n_cancelled, unaddressable, next_arrival, the slot states)."""
     n_admitted = tl.full([], 0, tl.int32)
     n_rejected = tl.full([], 0, tl.int32)
     n_unaddressable = tl.full([], 0, tl.int32)
@@ -343,6 +379,16 @@ def _take_published(
 
 
 @triton.jit
+def _records_to_take(st, md, position, seq_word, SLOT: tl.constexpr):
+    """The free slots, and how many records this step takes: the published run at req_tail (record n
+    is published when its seq word is n + 1), at most one per free slot."""
+    unpublished = (seq_word != position + 1).to(tl.int32)
+    published = tl.sum((tl.cumsum(unpublished, 0) == 0).to(tl.int32), 0)
+    free_d = md & (st == SLOT.FREE)
+    return free_d, tl.minimum(published, tl.sum(free_d.to(tl.int32), 0))
+
+
+@triton.jit
 def _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS: tl.constexpr,
                   BLOCK_NC: tl.constexpr, SLOT: tl.constexpr):  # fmt: skip
     """Add this iteration's deltas to the counters and store the active slot count, after a barrier:
@@ -357,13 +403,13 @@ def _add_counters(delta, st, md, counters_ptr, num_active_ptr, NUM_COUNTERS: tl.
 
 @triton.jit
 def _apply_cancels(
-    st, top, tail, n_cached, addressable, cancel_word, gen_d, nb_d, free_blocks_ptr, slots, blocks,
+    st, top, tail, n_cached, cancelled, nb_d, free_blocks_ptr, slots, blocks,
     MAXB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, Q: tl.constexpr,
     SLOT: tl.constexpr, FINISH: tl.constexpr,
 ):  # fmt: skip
-    """End the live slots whose channel's cancel word (snapped) equals their generation with ABORT.
-    Returns (the slot states now, the stack top, the LRU tail and live count, how many were cancelled)."""
-    cancelled = addressable & (cancel_word == gen_d)
+    """End the live slots whose channel's cancel word (snapped) equals their generation (`cancelled`)
+    with ABORT. Returns (the slot states now, the stack top, the LRU tail and live count, how many
+    were cancelled)."""
     n_cancelled = tl.sum(cancelled.to(tl.int32), 0)
     if n_cancelled > 0:
         top, tail, n_cached = _end_slots(

@@ -110,12 +110,13 @@ def write_forward_inputs(
 
 @triton.jit
 def counter_deltas(
-    ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried, n_hit,
+    ntot, n_preempted, n_admitted, n_rejected, n_cancelled, n_unaddressable, n_queried, n_hit, steady,
     BLOCK_NC: tl.constexpr, COUNTER: tl.constexpr,
 ):  # fmt: skip
     """What this iteration adds to each counter (lanes of `tl.arange(0, BLOCK_NC)`): one loop
     iteration, a step if it has tokens, and what it scheduled, preempted, admitted, rejected,
-    cancelled and could not address, and the prefix cache's looked-up and cached tokens."""
+    cancelled and could not address, the prefix cache's looked-up and cached tokens, and whether it
+    was a steady step (kernels/schedule_steady.py)."""
     offs_c = tl.arange(0, BLOCK_NC)
     steps = (ntot > 0).to(tl.int64)
     delta = (
@@ -129,6 +130,7 @@ def counter_deltas(
         + tl.where(offs_c == COUNTER.records_unaddressable, n_unaddressable.to(tl.int64), 0)
         + tl.where(offs_c == COUNTER.prefix_cache_queries, n_queried.to(tl.int64), 0)
         + tl.where(offs_c == COUNTER.prefix_cache_hits, n_hit.to(tl.int64), 0)
+        + tl.where(offs_c == COUNTER.steady_steps, steady.to(tl.int64), 0)
     )
     return delta
 

@@ -79,7 +79,10 @@ def schedule_warps(num_slots: int) -> int:
 
 
 class DeviceScheduler:
-    """The schedule step of the device loop; `launch()` is what the loop's graph captures."""
+    """The schedule step of the device loop; `launch()` is what the loop's graph captures.
+
+    `steady=False` builds the program without the steady decode step (kernels/schedule_steady.py), so
+    every step takes the full path: the differential test's other side."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class DeviceScheduler:
         num_warps: int | None = None,
         rank_tile: int = RANK_TILE,
         table_row_tile: int = TABLE_ROW_TILE,
+        steady: bool = True,
     ) -> None:
         geometry.validate()
         g, rg = geometry, layout.geometry
@@ -159,7 +163,7 @@ class DeviceScheduler:
             SLOT=kernel_args.SLOT_STATES, FINISH=kernel_args.FINISH_REASONS, ERROR=kernel_args.ERROR_CODES,
             COUNTER=kernel_args.SCHEDULE_COUNTERS, CONTROL=kernel_args.CONTROL_WORDS, RECORD=record,
             CHANNEL=kernel_args.CHANNEL_LAYOUT,
-            ON_GPU=on_gpu, STAMPS=False,
+            ON_GPU=on_gpu, STAMPS=False, STEADY=steady,
         )  # fmt: skip
         kernel_args.check_parameters(schedule_kernel, self._args, self._constants)
         # The step's start stamp: the device clock on the GPU; the host's, written here, when interpreted.

@@ -329,12 +329,14 @@ class DeviceState:
 
 # Loop counters (DeviceState.counters), cumulative but for last_step_ns (schedule start to commit of
 # the latest iteration that ran a forward): the wire's engine counters, which the host copies into the
-# ring's telemetry words without touching the token path, then the loop's own step_tokens (the sum of
-# step_num_tokens; no telemetry word). loop_iterations leads: bench/loop_stress.py reads the first
-# counters by position.
+# ring's telemetry words without touching the token path, then the loop's own (no telemetry word):
+# step_tokens (the sum of step_num_tokens) and steady_steps (steps that took the steady decode path,
+# kernels/schedule_steady.py). loop_iterations leads: bench/loop_stress.py reads the first counters by
+# position.
 COUNTERS: tuple[str, ...] = (
     "loop_iterations",
     *(name for name in ENGINE_COUNTER_FIELDS if name != "loop_iterations"),
     "step_tokens",
+    "steady_steps",
 )
 COUNTER_INDEX = {name: i for i, name in enumerate(COUNTERS)}
