@@ -108,10 +108,11 @@ class DeviceScheduler:
         block_d, block_s = _pow2(g.num_slots), _pow2(g.max_num_seqs)
         # [0, block_d): running slots compacted; [block_d, +block_s): the same in run order;
         # [block_d + block_s], [+1]: block-table columns and rows the last forward step wrote (the
-        # first writes all).
-        self.scratch = torch.zeros(block_d + block_s + 2, dtype=torch.int32, device=device)
-        self.scratch[-2] = g.max_blocks_per_seq
-        self.scratch[-1] = g.max_num_seqs
+        # first writes all); [+2]: whether this step is a steady one (kernels/schedule_steady.py).
+        words = block_d + block_s
+        self.scratch = torch.zeros(words + 3, dtype=torch.int32, device=device)
+        self.scratch[words] = g.max_blocks_per_seq
+        self.scratch[words + 1] = g.max_num_seqs
         block_r = min(RECORDS_PER_LAUNCH, block_d)
         # The ring words the front end may change mid-launch, one value for every thread (schedule.py).
         # Its last two words are req_tail and arena_tail, which only the kernel writes while it runs
