@@ -241,7 +241,7 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
     no_ring_work = (shutdown == 0) & (tl.sum(cancelled.to(tl.int32), 0) == 0) & (n_records == 0)
     steady, ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k = steady_decodes(
         no_ring_work, st, md, top, n_cached, table_width, table_rows, step_num_tokens_ptr, offs_s, slots, step,
-        BS, PBS, LIMIT, BE_BATCH, STEADY, SLOT,
+        BS, PBS, STEADY, SLOT,
     )  # fmt: skip
     # Through memory, so the branch does not depend on the loads above in the IR: Triton's coalescing
     # pass walks each memory op's slice, and with them in it the kernel compiled 40% slower.

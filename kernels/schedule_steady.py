@@ -26,15 +26,17 @@ from blink_appliance.kernels.prefix_cache import take_blocks
 @triton.jit
 def steady_decodes(
     no_ring_work, st, md, top, n_cached, table_width, table_rows, step_num_tokens_ptr, offs_s, slots, step,
-    BS: tl.constexpr, PBS: tl.constexpr, LIMIT: tl.constexpr, BE_BATCH: tl.constexpr, STEADY: tl.constexpr,
-    SLOT: tl.constexpr,
+    BS: tl.constexpr, PBS: tl.constexpr, STEADY: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
     """Whether this step is the last one's batch decoding again: the ring brings no work (no shutdown,
     cancel or record to take), the last step ran decodes only, the live slots are exactly its batch,
     all RUNNING, each with one uncomputed token past its prompt (so no prompt block to register), and
-    the free stack and the LRU hold the blocks the new tokens need (no preemption). With a class cap
-    or best-effort turns some running slots may be held, so those loops always take the full path, as
-    does a program built without STEADY (the differential test's).
+    the free stack and the LRU hold the blocks the new tokens need (no preemption). A program built
+    without STEADY (the differential test's other side) always says no.
+
+    The class cap and best-effort turns need no check: they hold running slots by the running set's
+    classes (and, for the turns, only when more best-effort slots run than a turn takes). The last
+    step held none, since every live slot was in its batch, and the running set has not changed.
     Returns (steady, the batch's lanes, its slots in run order, num_tokens, num_computed, num_blocks,
     prompt_len, the blocks each needs)."""
     ntot_prev = tl.load(step_num_tokens_ptr)
@@ -62,10 +64,6 @@ def steady_decodes(
         & (tl.sum(need_k, 0) <= top + n_cached)
         & (table_width <= tl.max(nb_k + need_k, 0))
     )
-    if LIMIT >= 0:
-        steady = n_live < 0
-    if BE_BATCH >= 1:
-        steady = n_live < 0
     if not STEADY:
         steady = n_live < 0
     return steady, ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k

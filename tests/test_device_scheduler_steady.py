@@ -95,6 +95,18 @@ def test_steady_steps_equal_the_full_path_under_random_traffic(seed, aging):
     assert t.steady["steps"] > 0 and t.steady["block_pops"] > 0, t.steady
 
 
+@pytest.mark.parametrize(("seed", "limit", "batch"), [(4, 0, -1), (5, 2, -1), (7, -1, 2), (9, 2, 3)])
+def test_steady_steps_equal_the_full_path_with_a_class_cap_and_best_effort_turns(seed, limit, batch):
+    """Held sequences keep a step off the steady path (they are live but not in the batch); steady
+    runs happen between them, and the cap and the turns must hold nothing there."""
+    loop = dataclasses.replace(
+        LOOP, max_num_seqs=6, num_kv_blocks=24, lower_class_limit=limit, best_effort_batch=batch
+    )
+    t = SteadyTwin(loop)
+    random_workload(t, seed)
+    assert t.steady["steps"] > 0 and t.stats.held > 0, (t.steady, t.stats.held)
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_steady_steps_equal_the_full_path_with_the_prefix_cache(seed):
     """Shared prefixes: hits, registrations and evictions around the steady runs."""
