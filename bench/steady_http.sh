@@ -9,7 +9,7 @@ set -uo pipefail
 out=${1:?OUT_DIR}
 source bench/ab_trees.sh
 if [ "${2:-}" != http ]; then
-  timeout 170 python3 -m pytest -q -n 8 --dist load --durations=8 tests/test_device_scheduler_steady.py \
+  timeout 240 python3 -m pytest -q -n 8 --dist load --durations=8 tests/test_device_scheduler_steady.py \
     "tests/test_device_loop.py::test_engine_loop_greedy_streams_equal_host_steps_and_the_reference_engine" \
     > "$out/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$out/gpu-tests.log"
