@@ -250,8 +250,8 @@ def schedule_kernel(  # long: the parameter list is the kernel's ABI (45 lines);
     steady = tl.load(scratch_ptr + BLOCK_D + BLOCK_S + 2) != 0
     if steady:
         top, lru_head, n_cached, table_width = decode_again(
-            ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k, top, lru_head, lru_tail, n_cached, offs_s,
-            free_blocks_ptr, slots, blocks, step, BS, MAXB, MAX_MODEL_LEN, BLOCK_J, C, Q, BLOCK_L,
+            ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k, top, lru_head, lru_tail, n_cached, clock, offs_s,
+            free_blocks_ptr, slots, blocks, step, BS, MAXB, MAX_MODEL_LEN, BLOCK_J, C, Q, BLOCK_L, SLOT,
         )  # fmt: skip
         nseq, ntot = table_rows, table_rows
         for i in tl.static_range(2, 12):

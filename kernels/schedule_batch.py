@@ -231,7 +231,7 @@ def fill_budget(
             dec, 1, tl.where(pref, tl.minimum(tl.maximum(prefill_budget - wanted_before, 0), want_k), 0)
         )
         # (a chunk taken back by admission leaves its blocks: a sequence may hold more than it needs)
-        need = tl.where(n > 0, tl.maximum((ncomp_k + n + BS - 1) // BS - nb_k, 0), 0)
+        need = tl.where(n > 0, blocks_to_add(ncomp_k, n, nb_k, BS), 0)
         cum_need = tl.cumsum(need, 0)
         kstar = tl.min(tl.where(act & (cum_need > top + n_cached), offs_s, BLOCK_S), 0)
         ok = act & (offs_s < kstar)
@@ -270,6 +270,13 @@ def fill_budget(
             i0 = hi + 1
     n_preempted = tl.sum(((pre_k != 0) & (offs_s < m)).to(tl.int32), 0)
     return n_k, nb_k, pre_k, budget, top, head, tail, n_cached, n_preempted
+
+
+@triton.jit
+def blocks_to_add(num_computed, n, num_blocks, BS: tl.constexpr):
+    """The blocks a chunk of n tokens after num_computed needs beyond the num_blocks held (0 when it
+    holds enough: a chunk taken back by admission leaves its blocks)."""
+    return tl.maximum((num_computed + n + BS - 1) // BS - num_blocks, 0)
 
 
 @triton.jit

@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from blink_appliance.kernels.prefix_cache import take_blocks
+from blink_appliance.kernels.schedule_batch import blocks_to_add, store_running
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def steady_decodes(
     if PBS > 0:  # the blocks a chunk fills register only below the slot's number of prompt hashes
         past_prompt = past_prompt & (ncomp_k >= tl.load(slots.n_hashes + ks, mask=mk, other=0) * BS)
     lane_ok = (st_k == SLOT.RUNNING) & (ntok_k - ncomp_k == 1) & past_prompt
-    need_k = tl.where(ms, tl.maximum((ncomp_k + BS) // BS - nb_k, 0), 0)
+    need_k = tl.where(ms, blocks_to_add(ncomp_k, 1, nb_k, BS), 0)
     n_live = tl.sum((md & (st != SLOT.FREE)).to(tl.int32), 0)
     steady = (
         no_ring_work
@@ -71,10 +72,10 @@ def steady_decodes(
 
 @triton.jit
 def decode_again(
-    ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k, top, head, tail, n_cached, offs_s, free_blocks_ptr,
+    ms, ks, ntok_k, ncomp_k, nb_k, plen_k, need_k, top, head, tail, n_cached, clock, offs_s, free_blocks_ptr,
     slots, blocks, step,
     BS: tl.constexpr, MAXB: tl.constexpr, MAX_MODEL_LEN: tl.constexpr, BLOCK_J: tl.constexpr,
-    C: tl.constexpr, Q: tl.constexpr, BLOCK_L: tl.constexpr,
+    C: tl.constexpr, Q: tl.constexpr, BLOCK_L: tl.constexpr, SLOT: tl.constexpr,
 ):  # fmt: skip
     """The steady step (steady_decodes said so): each sequence of the batch computes its last token.
     Blocks are popped in run order as the budget fill pops them; then the slots, the context lengths,
@@ -85,8 +86,7 @@ def decode_again(
                                           n_cached, slots.block_table, free_blocks_ptr, blocks, MAXB, BLOCK_J,
                                           C, Q, BLOCK_L)  # fmt: skip
     nb_k = nb_k + need_k
-    tl.store(slots.num_computed + ks, ncomp_k + 1, mask=ms)
-    tl.store(slots.num_blocks + ks, nb_k, mask=ms)
+    store_running(ms, ks, ncomp_k, tl.where(ms, 1, 0), nb_k, tl.zeros_like(ks), clock, slots, SLOT)
     tl.store(step.context_lens + offs_s, ncomp_k + 1, mask=ms)
     tl.store(step.row_output_index + offs_s, (ntok_k - plen_k).to(tl.int64), mask=ms)
     column = ncomp_k // BS

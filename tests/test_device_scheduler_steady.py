@@ -26,8 +26,7 @@ from tests.test_device_scheduler import random_workload  # noqa: E402
 from tests.twin_front_end import LOOP, RING, prompt  # noqa: E402
 
 STEADY = COUNTER_INDEX["steady_steps"]
-# The step's start time is the clock's; the rank scratch is the full path's own working space.
-NOT_COMPARED = {"step_start_ns"}
+NOT_COMPARED = {"step_start_ns"}  # the step's start time is the clock's
 
 
 def _copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
