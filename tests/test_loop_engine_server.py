@@ -302,5 +302,5 @@ async def test_the_engine_process_serves_the_loop_in_host_mode_and_stops_on_sigt
             log.close()
     # The build says what it is doing and how long each part took (issue 18, start-up).
     text = (tmp_path / "engine.log").read_text()
-    for part in ("weights to cpu", "compiling the commit kernel (4 slots)", "sampler variants"):
+    for part in ("weights to cpu", "compiling the schedule and commit kernels (4 slots", "sampler variants"):
         assert f"{part}" in text and text.count(": done in") >= 3, text

@@ -25,7 +25,7 @@ from blink_appliance.engine.loop.forward_graphs import ForwardGraphs
 from blink_appliance.engine.loop.graph import Segment, engine_body
 from blink_appliance.engine.loop.logprobs import DeviceLogprobs, DevicePromptLogprobs
 from blink_appliance.engine.loop.penalties import DevicePenalties
-from blink_appliance.engine.loop.progress import stage
+from blink_appliance.engine.loop.progress import CompileAhead, stage
 from blink_appliance.engine.loop.sampler import DeviceSampler
 from blink_appliance.engine.loop.scheduler import DeviceScheduler
 from blink_appliance.engine.loop.state import DeviceState, LoopGeometry
@@ -84,6 +84,7 @@ class LoopStep:
         self.sampler = sampler
         self.committer = commit
         self.graphs = graphs
+        self._ahead: CompileAhead | None = None
 
     @classmethod
     def build(
@@ -126,13 +127,18 @@ class LoopStep:
             gemm_plan=deterministic_gemms if deterministic else decode_gemms,
             score_rows=geometry.prompt_score_chunk,
         )  # fmt: skip
-        graphs = None
         if capture_graphs is None:
             capture_graphs = device.type == "cuda"
+        step = cls.assemble(geometry, forward, region, layout, engine_seed=engine_seed)
         if capture_graphs:
-            graphs = ForwardGraphs(forward, geometry.buckets)
-            graphs.capture()
-        return cls.assemble(geometry, forward, region, layout, engine_seed=engine_seed, graphs=graphs)
+            step.graphs = ForwardGraphs(forward, geometry.buckets)
+            step.compile_ahead()  # the schedule and commit kernels build while the buckets compile
+            step.graphs.warm()
+            # Joined before any capture: a kernel module loaded on another thread during a global
+            # stream capture would break it.
+            step.wait_compiled()
+            step.graphs.capture_warm()
+        return step
 
     @classmethod
     def assemble(
@@ -206,16 +212,43 @@ class LoopStep:
         if self.state.keep_running.is_cuda:
             torch.cuda.current_stream(self.state.keep_running.device).synchronize()
 
+    def _compiled_kernels(self) -> tuple[str, list]:
+        """What compiling the schedule and commit kernels means here: a name for the log and the
+        compile calls (none where Triton interprets them: nothing to compile on the CPU)."""
+        g = self.geometry
+        what = f"compiling the schedule and commit kernels ({g.num_slots} slots, {g.max_num_seqs} sequences)"
+        if not self.state.keep_running.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+            return what, []
+        return what, [self.scheduler.compile, self.committer.compile]
+
+    def compile_ahead(self) -> None:
+        """Start compiling the schedule and commit kernels on a thread (progress.CompileAhead);
+        `wait_compiled` waits for them. They need no forward, so they build while its buckets compile."""
+        what, compiles = self._compiled_kernels()
+
+        def compile_all() -> None:
+            for compile_kernel in compiles:
+                compile_kernel()
+
+        if compiles and self._ahead is None:
+            self._ahead = CompileAhead(what, compile_all, self.state.keep_running.device)
+
+    def wait_compiled(self) -> None:
+        """The schedule and commit kernels compiled: waited for when `compile_ahead` started them,
+        else compiled now."""
+        if self._ahead is not None:
+            self._ahead.wait()
+            return
+        what, compiles = self._compiled_kernels()
+        with stage(what):
+            for compile_kernel in compiles:
+                compile_kernel()
+
     def warmup(self) -> None:
         """Compile and warm what the loop's graph captures, without touching the loop's state or the
         ring: the schedule and commit kernels are compiled only (running them would admit records and
-        publish), the sampler (which writes nothing but `sampled`) runs. Nothing to compile on the CPU."""
-        g = self.geometry
-        if self.state.keep_running.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            with stage(f"compiling the schedule kernel ({g.num_slots} slots, {g.max_num_seqs} sequences)"):
-                self.scheduler.compile()
-        with stage(f"compiling the commit kernel ({g.num_slots} slots)"):
-            self.committer.compile()
+        publish), the sampler (which writes nothing but `sampled`) runs."""
+        self.wait_compiled()
         with stage(f"compiling and warming {len(self.sampler.variants())} sampler variants"):
             for variant in self.sampler.variants():
                 variant()
