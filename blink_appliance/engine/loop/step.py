@@ -85,6 +85,7 @@ class LoopStep:
         self.committer = commit
         self.graphs = graphs
         self._ahead: CompileAhead | None = None
+        self._ready = {"kernels": False, "sampler": False}  # what warmup() has nothing left to do for
 
     @classmethod
     def build(
@@ -132,8 +133,9 @@ class LoopStep:
         step = cls.assemble(geometry, forward, region, layout, engine_seed=engine_seed)
         if capture_graphs:
             step.graphs = ForwardGraphs(forward, geometry.buckets)
-            step.compile_ahead()  # the schedule and commit kernels build while the buckets compile
+            step.compile_ahead()  # the schedule and commit kernels build while the rest compiles
             step.graphs.warm()
+            step.warm_sampler()
             # Joined before any capture: a kernel module loaded on another thread during a global
             # stream capture would break it.
             step.wait_compiled()
@@ -235,20 +237,30 @@ class LoopStep:
 
     def wait_compiled(self) -> None:
         """The schedule and commit kernels compiled: waited for when `compile_ahead` started them,
-        else compiled now."""
+        else compiled now; once."""
+        if self._ready["kernels"]:
+            return
         if self._ahead is not None:
             self._ahead.wait()
+        else:
+            what, compiles = self._compiled_kernels()
+            with stage(what):
+                for compile_kernel in compiles:
+                    compile_kernel()
+        self._ready["kernels"] = True
+
+    def warm_sampler(self) -> None:
+        """Run every sampler variant once (it writes nothing but `sampled`): compiles them; once."""
+        if self._ready["sampler"]:
             return
-        what, compiles = self._compiled_kernels()
-        with stage(what):
-            for compile_kernel in compiles:
-                compile_kernel()
+        with stage(f"compiling and warming {len(self.sampler.variants())} sampler variants"):
+            for variant in self.sampler.variants():
+                variant()
+        self._ready["sampler"] = True
 
     def warmup(self) -> None:
         """Compile and warm what the loop's graph captures, without touching the loop's state or the
         ring: the schedule and commit kernels are compiled only (running them would admit records and
-        publish), the sampler (which writes nothing but `sampled`) runs."""
+        publish), the sampler runs. `build` has done both when it captured the forward."""
         self.wait_compiled()
-        with stage(f"compiling and warming {len(self.sampler.variants())} sampler variants"):
-            for variant in self.sampler.variants():
-                variant()
+        self.warm_sampler()
