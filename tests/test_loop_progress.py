@@ -44,7 +44,7 @@ def test_compile_ahead_runs_beside_the_caller_and_wait_returns_once_it_is_done(c
     ahead.wait()
     assert finished.is_set() and seen and seen[0] != main
     messages = [r.getMessage() for r in caplog.records]
-    assert messages[0] == "compiling the kernels: started beside the forward's buckets ..."
+    assert messages[0] == "compiling the kernels: started in the background ..."
     assert any(m.startswith("compiling the kernels: compiled in ") for m in messages)
     assert messages[-1].startswith("compiling the kernels: waiting for it: done in ")
 

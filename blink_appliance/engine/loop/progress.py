@@ -40,7 +40,7 @@ class CompileAhead:
         self._device = device
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="compile-ahead", daemon=True)
-        log.info("%s: started beside the forward's buckets ...", what)
+        log.info("%s: started in the background ...", what)
         self._thread.start()
 
     def _run(self) -> None:

@@ -15,6 +15,7 @@ graph's SWITCH nodes do on the device, and waits for the iteration to end.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -214,7 +215,7 @@ class LoopStep:
         if self.state.keep_running.is_cuda:
             torch.cuda.current_stream(self.state.keep_running.device).synchronize()
 
-    def _compiled_kernels(self) -> tuple[str, list]:
+    def _compiled_kernels(self) -> tuple[str, list[Callable[[], None]]]:
         """What compiling the schedule and commit kernels means here: a name for the log and the
         compile calls (none where Triton interprets them: nothing to compile on the CPU)."""
         g = self.geometry
