@@ -85,7 +85,7 @@ def compile_attention(num_warps: int, num_stages: int, **constexprs) -> dict:
 def main() -> None:
     print("| T | launch | fused RoPE | registers | spill stores (B) | shared (B) |")
     print("|---|---|---|---|---|---|")
-    for T in (8, 32, 128, 512):
+    for T in (1, 4, 8, 32, 128, 512):
         a = attention_config(T)
         for fused in (False, True):
             parts = {8: 4, 32: 2, 128: 2}.get(T, 0) if fused else 0  # QKV's split-K partials per bucket

@@ -246,6 +246,13 @@ def _paged_attention_kernel(
     if USE_PDL:  # launched early: the metadata above are step inputs; q and this step's K/V are not
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # A split past the context (a short one leaves most of them so) only says so to the merge: its
+    # q, its accumulator and its fresh keys would be loaded and written for nothing.
+    if (kv_lo >= kv_hi) & (tl.full([], NUM_SPLITS, tl.int32) > 1):
+        row = (split * num_tokens + tok64) * NUM_HEADS + head
+        tl.store(partial_ml_ptr + row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+        tl.store(partial_ml_ptr + row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_valid)
+        return
     if FUSED_ROPE:
         h = tl.arange(0, HEAD_DIM // 2)[None, :]
         q_col = head[:, None] * HEAD_DIM

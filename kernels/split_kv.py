@@ -44,7 +44,9 @@ def _combine_splits_kernel(
     # A split that saw no visible key for this row (max -inf) contributes nothing.
     w = tl.where(run_max == float("-inf"), 0.0, tl.math.exp2(run_max - m_max))
     d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=sp_in[:, None], other=0.0)
+    # An idle split wrote only its max (-inf): its accumulator is neither written nor read.
+    seen = sp_in & (run_max != float("-inf"))
+    acc = tl.load(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=seen[:, None], other=0.0)
     total = tl.sum(w * run_sum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + t * out_stride + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))

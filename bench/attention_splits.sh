@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Batch 1's attention split count, in one call: the attention kernel's tests on the GPU, then the 1B
+# forward by graph replay (bench/forward_levers.py, one decoding sequence) in the 1-, 2- and 4-token
+# buckets at 256, 1024 and 4096 keys: this tree with the plan's splits and with 32 of them, and the
+# base tree (.whl/base.tar.gz, bench/ab_trees.sh) with the plan's.
+# Usage, on the GPU host: bash bench/attention_splits.sh OUT_DIR
+set -uo pipefail
+out=${1:?OUT_DIR}
+source bench/ab_trees.sh
+timeout 120 python3 -m pytest -q -n 8 tests/test_kernels_attention.py > "$out/gpu-tests.log" 2>&1
+echo "attention tests rc=$?"; tail -1 "$out/gpu-tests.log"
+for tree in new base; do
+  dir=$here; [ $tree = base ] && dir=/tmp/base
+  variants=prod,prod+attn.splits=32,prod; [ $tree = base ] && variants=prod
+  install "$dir"
+  for ctx in 256 1024 4096; do
+    (cd "$dir" && PYTHONPATH=. timeout 100 python3 bench/forward_levers.py --model llama-3.2-1b --buckets 1,2,4 \
+      --decodes 1 --context $ctx --variants $variants --profile none --out "$out/$tree-$ctx" 2>&1 \
+      | grep -v -i warn | grep "^| prod" | sed "s/^/$tree keys=$ctx /")
+  done
+done
+install "$here"
