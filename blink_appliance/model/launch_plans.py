@@ -50,9 +50,14 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     ties at 256 keys and loses at 4096 (1.109 -> 1.194) (bench/results/2026-11-29-h200-b1-fused-rope.md,
     2026-11-29-h200-small-bucket-attention.md). Models with q/k norms keep the RoPE kernel, so they
     keep the 1-warp shape measured with it.
+    A split past the context only writes its max, so the 1-token bucket takes 32 splits: on the H200
+    the 1B step took 0.798-0.800 -> 0.800 ms at 256 keys, 0.805-0.808 -> 0.806 at 1024 and
+    0.865-0.868 -> 0.842 at 4096. The 2- and 4-token buckets keep 16: 32 cost them 2-9 µs up to 1024
+    keys (bench/results/2026-11-29-h200-attention-idle-splits.md).
     """
     if num_tokens <= 4 and (config is None or not config.qk_norm):
-        return AttentionConfig(block_q=4, block_n=32, splits=16, num_warps=4, num_stages=3, fused_rope=True)
+        splits = 32 if num_tokens == 1 else 16
+        return AttentionConfig(block_q=4, block_n=32, splits=splits, num_warps=4, num_stages=3, fused_rope=True)
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
