@@ -19,7 +19,8 @@ match the cache block size.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 a third grid axis cuts each program's key range into
 that many contiguous pieces, each written unnormalized (acc, running max, running sum) to fp32 partials
-that kernels/split_kv.py merges.
+that kernels/split_kv.py merges. A piece past the context (most of them, for a short one) writes only
+its max and ends.
 
 Fused RoPE (`FusedRope`): the kernel then also does kernels/rope.py's work, so the step has one kernel
 fewer per layer. q is read from the QKV output (or the sum of its split-K partials) and rotated as it

@@ -53,10 +53,11 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     A split past the context only writes its max, so the 1-token bucket takes 32 splits: on the H200
     the 1B step took 0.798-0.800 -> 0.800 ms at 256 keys, 0.805-0.808 -> 0.806 at 1024 and
     0.865-0.868 -> 0.842 at 4096. The 2- and 4-token buckets keep 16: 32 cost them 2-9 µs up to 1024
-    keys (bench/results/2026-11-29-h200-attention-idle-splits.md).
+    keys (bench/results/2026-11-29-h200-attention-idle-splits.md). Only 64-wide heads were measured,
+    so 128-wide ones (8B) keep 16.
     """
     if num_tokens <= 4 and (config is None or not config.qk_norm):
-        splits = 32 if num_tokens == 1 else 16
+        splits = 32 if num_tokens == 1 and (config is None or config.head_dim <= 64) else 16
         return AttentionConfig(block_q=4, block_n=32, splits=splits, num_warps=4, num_stages=3, fused_rope=True)
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
