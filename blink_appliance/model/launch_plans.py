@@ -58,7 +58,9 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     """
     if num_tokens <= 4 and (config is None or not config.qk_norm):
         splits = 32 if num_tokens == 1 and (config is None or config.head_dim <= 64) else 16
-        return AttentionConfig(block_q=4, block_n=32, splits=splits, num_warps=4, num_stages=3, fused_rope=True)
+        return AttentionConfig(
+            block_q=4, block_n=32, splits=splits, num_warps=4, num_stages=3, fused_rope=True
+        )
     if num_tokens <= 8:
         return AttentionConfig(block_q=4, block_n=16, splits=16, num_warps=1, num_stages=3)
     if num_tokens <= 32:
