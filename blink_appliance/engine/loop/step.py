@@ -86,7 +86,7 @@ class LoopStep:
         self.committer = commit
         self.graphs = graphs
         self._ahead: CompileAhead | None = None
-        self._ready = {"kernels": False, "sampler": False}  # what warmup() has nothing left to do for
+        self._kernels_ready = self._sampler_warm = False  # what warmup() has nothing left to do for
 
     @classmethod
     def build(
@@ -215,49 +215,49 @@ class LoopStep:
         if self.state.keep_running.is_cuda:
             torch.cuda.current_stream(self.state.keep_running.device).synchronize()
 
-    def _compiled_kernels(self) -> tuple[str, list[Callable[[], None]]]:
+    def _kernel_compile(self) -> tuple[str, Callable[[], None] | None]:
         """What compiling the schedule and commit kernels means here: a name for the log and the
-        compile calls (none where Triton interprets them: nothing to compile on the CPU)."""
+        compile call (None where Triton interprets them: nothing to compile on the CPU)."""
         g = self.geometry
         what = f"compiling the schedule and commit kernels ({g.num_slots} slots, {g.max_num_seqs} sequences)"
         if not self.state.keep_running.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-            return what, []
-        return what, [self.scheduler.compile, self.committer.compile]
+            return what, None
+
+        def compile_both() -> None:
+            self.scheduler.compile()
+            self.committer.compile()
+
+        return what, compile_both
 
     def compile_ahead(self) -> None:
         """Start compiling the schedule and commit kernels on a thread (progress.CompileAhead);
         `wait_compiled` waits for them. They need no forward, so they build while its buckets compile."""
-        what, compiles = self._compiled_kernels()
-
-        def compile_all() -> None:
-            for compile_kernel in compiles:
-                compile_kernel()
-
-        if compiles and self._ahead is None:
-            self._ahead = CompileAhead(what, compile_all, self.state.keep_running.device)
+        what, compile_both = self._kernel_compile()
+        if compile_both is not None and self._ahead is None:
+            self._ahead = CompileAhead(what, compile_both, self.state.keep_running.device)
 
     def wait_compiled(self) -> None:
         """The schedule and commit kernels compiled: waited for when `compile_ahead` started them,
         else compiled now; once."""
-        if self._ready["kernels"]:
+        if self._kernels_ready:
             return
         if self._ahead is not None:
             self._ahead.wait()
         else:
-            what, compiles = self._compiled_kernels()
+            what, compile_both = self._kernel_compile()
             with stage(what):
-                for compile_kernel in compiles:
-                    compile_kernel()
-        self._ready["kernels"] = True
+                if compile_both is not None:
+                    compile_both()
+        self._kernels_ready = True
 
     def warm_sampler(self) -> None:
         """Run every sampler variant once (it writes nothing but `sampled`): compiles them; once."""
-        if self._ready["sampler"]:
+        if self._sampler_warm:
             return
         with stage(f"compiling and warming {len(self.sampler.variants())} sampler variants"):
             for variant in self.sampler.variants():
                 variant()
-        self._ready["sampler"] = True
+        self._sampler_warm = True
 
     def warmup(self) -> None:
         """Compile and warm what the loop's graph captures, without touching the loop's state or the
