@@ -19,8 +19,8 @@ match the cache block size.
 
 Split-KV (flash-decoding): with NUM_SPLITS > 1 a third grid axis cuts each program's key range into
 that many contiguous pieces, each written unnormalized (acc, running max, running sum) to fp32 partials
-that kernels/split_kv.py merges. A piece past the context (most of them, for a short one) writes only
-its max and ends.
+that kernels/split_kv.py merges. With fused RoPE, a piece past the context (most of them, for a short
+one) writes only its max and ends.
 
 Fused RoPE (`FusedRope`): the kernel then also does kernels/rope.py's work, so the step has one kernel
 fewer per layer. q is read from the QKV output (or the sum of its split-K partials) and rotated as it
@@ -248,12 +248,15 @@ def _paged_attention_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # A split past the context (a short one leaves most of them so) only says so to the merge: its
-    # q, its accumulator and its fresh keys would be loaded and written for nothing.
-    if (kv_lo >= kv_hi) & (tl.full([], NUM_SPLITS, tl.int32) > 1):
-        row = (split * num_tokens + tok64) * NUM_HEADS + head
-        tl.store(partial_ml_ptr + row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-        tl.store(partial_ml_ptr + row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_valid)
-        return
+    # q, its accumulator and its fresh keys would be loaded and written for nothing. Only programs that
+    # fuse RoPE (the 1- to 4-token buckets, where it was measured) end early: the plain 1-warp programs
+    # of the 8-token bucket would need more registers for it (80 -> 96, bench/kernel_registers.py).
+    if NUM_SPLITS > 1 and FUSED_ROPE:
+        if kv_lo >= kv_hi:
+            row = (split * num_tokens + tok64) * NUM_HEADS + head
+            tl.store(partial_ml_ptr + row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+            tl.store(partial_ml_ptr + row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_valid)
+            return
     if FUSED_ROPE:
         h = tl.arange(0, HEAD_DIM // 2)[None, :]
         q_col = head[:, None] * HEAD_DIM

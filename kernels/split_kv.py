@@ -2,8 +2,8 @@
 
 With NUM_SPLITS > 1 the attention cuts each program's key range into that many contiguous pieces and
 writes each piece's result unnormalized (acc, running max, running sum) to fp32 partials;
-`combine_splits` merges them into the output. A piece past the context writes only its max (-inf),
-and the merge reads an accumulator only where the max is finite. Decode steps have few query tokens and long key ranges;
+`combine_splits` merges them into the output. A piece past the context may write only its max
+(-inf), so the merge reads an accumulator only where the max is finite. Decode steps have few query tokens and long key ranges;
 splitting puts more programs (more loads in flight) on the same bytes, which is what a latency-bound
 loop needs.
 
