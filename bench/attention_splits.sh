@@ -4,18 +4,20 @@
 # buckets at 256, 1024 and 4096 keys: this tree with the plan's splits and with 32 of them, and the
 # base tree (.whl/base.tar.gz, bench/ab_trees.sh) with the plan's.
 # With `tests`: the attention kernel's tests beside the loop's greedy streams against the reference
-# engine (which run the plan's bucket 1), nothing else.
-# Usage, on the GPU host: bash bench/attention_splits.sh OUT_DIR [tests]
+# engine (which run the plan's bucket 1), nothing else; with `forward`: the forward's timings alone.
+# Usage, on the GPU host: bash bench/attention_splits.sh OUT_DIR [tests|forward]
 set -uo pipefail
 out=${1:?OUT_DIR}
 source bench/ab_trees.sh
-timeout 250 python3 -m pytest -q -p no:cacheprovider \
-  "tests/test_device_loop.py::test_engine_loop_greedy_streams_equal_host_steps_and_the_reference_engine" \
-  > "$out/gpu-loop-test.log" 2>&1 &
-loop_test=$!
-timeout 250 python3 -m pytest -q -n 12 tests/test_kernels_attention.py > "$out/gpu-tests.log" 2>&1
-echo "attention tests rc=$?"; tail -1 "$out/gpu-tests.log"
-wait $loop_test; echo "greedy loop test rc=$?"; tail -1 "$out/gpu-loop-test.log"
+if [ "${2:-}" != forward ]; then
+  timeout 250 python3 -m pytest -q -p no:cacheprovider \
+    "tests/test_device_loop.py::test_engine_loop_greedy_streams_equal_host_steps_and_the_reference_engine" \
+    > "$out/gpu-loop-test.log" 2>&1 &
+  loop_test=$!
+  timeout 250 python3 -m pytest -q -n 12 tests/test_kernels_attention.py > "$out/gpu-tests.log" 2>&1
+  echo "attention tests rc=$?"; tail -1 "$out/gpu-tests.log"
+  wait $loop_test; echo "greedy loop test rc=$?"; tail -1 "$out/gpu-loop-test.log"
+fi
 [ "${2:-}" = tests ] && exit 0
 for tree in new base; do
   dir=$here; [ $tree = base ] && dir=/tmp/base
