@@ -5,9 +5,12 @@
 # base tree (.whl/base.tar.gz, bench/ab_trees.sh) with the plan's.
 # With `tests`: the attention kernel's tests beside the loop's greedy streams against the reference
 # engine (which run the plan's bucket 1), nothing else; with `forward`: the forward's timings alone.
-# Usage, on the GPU host: bash bench/attention_splits.sh OUT_DIR [tests|forward]
+# MODEL (default llama-3.2-1b) and VARIANTS (this tree's, default prod,prod+attn.splits=32,prod) may be
+# set in the environment; the base tree runs prod.
+# Usage, on the GPU host: [MODEL=...] [VARIANTS=...] bash bench/attention_splits.sh OUT_DIR [tests|forward]
 set -uo pipefail
 out=${1:?OUT_DIR}
+model=${MODEL:-llama-3.2-1b}
 source bench/ab_trees.sh
 if [ "${2:-}" != forward ]; then
   timeout 250 python3 -m pytest -q -p no:cacheprovider \
@@ -21,10 +24,10 @@ fi
 [ "${2:-}" = tests ] && exit 0
 for tree in new base; do
   dir=$here; [ $tree = base ] && dir=/tmp/base
-  variants=prod,prod+attn.splits=32,prod; [ $tree = base ] && variants=prod
+  variants=${VARIANTS:-prod,prod+attn.splits=32,prod}; [ $tree = base ] && variants=prod
   install "$dir"
   for ctx in 256 1024 4096; do
-    (cd "$dir" && PYTHONPATH=. timeout 100 python3 bench/forward_levers.py --model llama-3.2-1b --buckets 1,2,4 \
+    (cd "$dir" && PYTHONPATH=. timeout 100 python3 bench/forward_levers.py --model "$model" --buckets 1,2,4 \
       --decodes 1 --context $ctx --variants $variants --profile none --out "$out/$tree-$ctx" 2>&1 \
       | grep -v -i warn | grep "^| prod" | sed "s/^/$tree keys=$ctx /")
   done
