@@ -59,7 +59,8 @@ def make_paged_case(
 
 
 def reference_attention(q, k_cache, v_cache, query_start, ctx, tables, num_heads, num_kv_heads, scale):
-    """float64, token by token: softmax over keys 0..position of each query token."""
+    """float64, a sequence at a time: each query token's softmax over keys 0..its position (a causal
+    mask over the sequence's whole context; vectorized, since the GPU cases' contexts are long)."""
     T = q.shape[0]
     D = k_cache.shape[-1]
     bs = k_cache.shape[1]
@@ -68,16 +69,17 @@ def reference_attention(q, k_cache, v_cache, query_start, ctx, tables, num_heads
     qd = q.double().view(T, num_heads, D)
     qs = query_start.tolist()
     for s in range(ctx.shape[0]):
-        n_ctx = int(ctx[s])
-        for t in range(qs[s], qs[s + 1]):
-            pos = n_ctx - (qs[s + 1] - t)
-            kp = torch.arange(pos + 1)
-            slots = tables[s, kp // bs].long() * bs + kp % bs
-            keys = k_cache.reshape(-1, num_kv_heads, D)[slots].double()  # [n, kvh, D]
-            vals = v_cache.reshape(-1, num_kv_heads, D)[slots].double()
-            for h in range(num_heads):
-                w = torch.softmax(keys[:, h // group] @ qd[t, h] * scale, dim=0)
-                out[t, h] = w @ vals[:, h // group]
+        n_ctx, first, last = int(ctx[s]), qs[s], qs[s + 1]
+        if last == first:
+            continue
+        kp = torch.arange(n_ctx)
+        slots = tables[s, kp // bs].long() * bs + kp % bs
+        keys = k_cache.reshape(-1, num_kv_heads, D)[slots].double().repeat_interleave(group, dim=1)
+        vals = v_cache.reshape(-1, num_kv_heads, D)[slots].double().repeat_interleave(group, dim=1)
+        positions = n_ctx - (last - torch.arange(first, last))  # [n]
+        scores = torch.einsum("nhd,khd->hnk", qd[first:last], keys) * scale
+        scores = scores.masked_fill(kp[None, None, :] > positions[None, :, None], float("-inf"))
+        out[first:last] = torch.einsum("hnk,khd->nhd", torch.softmax(scores, dim=-1), vals)
     return out.view(T, num_heads * D)
 
 
