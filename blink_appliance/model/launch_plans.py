@@ -37,10 +37,10 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     1.652-1.655 -> 1.638-1.640 ms, bench/results/2026-11-25-h100-forward-fused-rope.md). At 8 and
     32 tokens it measured slower (1-warp programs need more registers for it) or a tie, so those
     keep the RoPE kernel.
-    `config` only says whether the model norms q and k (below); the shapes are the same for every
-    model. Up to 8 tokens the keys split 16 ways for every head width. For 128-wide heads (8B, batch 1) 4
-    splits are faster at 256 keys (5.587 -> 5.530 ms) but far slower at 4096 (6.040 -> 6.818), and a
-    floor of 64 keys a split (the first splits take a short context, the rest end at once) gave
+    `config` says whether the model norms q and k and how wide its heads are (below); the shapes are
+    the same for every model but for the split counts. The 8-token bucket splits keys 16 ways. For
+    128-wide heads (8B, batch 1) 4 splits are faster at 256 keys (5.587 -> 5.530 ms) but far slower
+    at 4096 (6.040 -> 6.818), and a floor of 64 keys a split (the first splits take a short context, the rest end at once) gave
     nothing (5.595): the idle programs cost what working ones do
     (bench/results/2026-11-27-h100-b1-launch-plans.md).
     Up to 4 tokens the attention fuses RoPE after all, in 4-warp programs over 32-key tiles: on the
@@ -53,9 +53,10 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     A split past the context only writes its max, so these buckets take 32 splits: on the H200 the 1B
     step took 0.798-0.800 -> 0.800 ms at 256 keys, 0.805-0.808 -> 0.806 at 1024 and 0.865-0.868 ->
     0.842 at 4096 in the 1-token bucket; the 2- and 4-token buckets tie within 0-9 µs up to 1024 keys
-    and gain 20 and 43 µs at 4096. For 128-wide heads (8B) the 1-token bucket gains 25-50 µs from 1024
-    keys on, but the 4-token one loses 40 µs up to 1024, so only the 1-token bucket splits 32 ways
-    there (bench/results/2026-11-29-h200-attention-idle-splits.md).
+    and gain 20 and 43 µs at 4096. For 128-wide heads (8B) the 1-token bucket gains 13-39 µs at 1024
+    keys and 51-132 at 4096, but the 4-token one loses 38-46 µs up to 1024, so only the 1-token bucket
+    splits 32 ways there (bench/results/2026-11-29-h200-attention-idle-splits.md,
+    -attention-splits-small-buckets.md).
     """
     if num_tokens <= 4 and (config is None or not config.qk_norm):
         splits = 32 if num_tokens == 1 or config is None or config.head_dim <= 64 else 16
