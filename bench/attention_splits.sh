@@ -7,7 +7,7 @@
 # engine (which run the plan's bucket 1), nothing else; with `forward`: the forward's timings alone.
 # MODEL (default llama-3.2-1b) and VARIANTS (this tree's, default prod,prod+attn.splits=32,prod) may be
 # set in the environment; the base tree runs prod. TREES=new skips the base tree.
-# Usage, on the GPU host: [MODEL=...] [VARIANTS=...] bash bench/attention_splits.sh OUT_DIR [tests|forward]
+# Usage, on the GPU host: [MODEL=...] [VARIANTS=...] [TREES=new] bash bench/attention_splits.sh OUT_DIR [tests|forward]
 set -uo pipefail
 out=${1:?OUT_DIR}
 model=${MODEL:-llama-3.2-1b}

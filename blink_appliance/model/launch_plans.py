@@ -40,8 +40,8 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     `config` says whether the model norms q and k and how wide its heads are (below); the shapes are
     the same for every model but for the split counts. The 8-token bucket splits keys 16 ways. For
     128-wide heads (8B, batch 1) 4 splits are faster at 256 keys (5.587 -> 5.530 ms) but far slower
-    at 4096 (6.040 -> 6.818), and a floor of 64 keys a split (the first splits take a short context, the rest end at once) gave
-    nothing (5.595): the idle programs cost what working ones do
+    at 4096 (6.040 -> 6.818), and a floor of 64 keys a split (the first splits take a short context,
+    the rest end at once) gave nothing (5.595): the idle programs cost what working ones did then
     (bench/results/2026-11-27-h100-b1-launch-plans.md).
     Up to 4 tokens the attention fuses RoPE after all, in 4-warp programs over 32-key tiles: on the
     H200 the 1B step took 0.812 -> 0.806 ms at 256 keys and 0.945 -> 0.896 at 4096 in the 1-token
