@@ -3,9 +3,9 @@
 With NUM_SPLITS > 1 the attention cuts each program's key range into that many contiguous pieces and
 writes each piece's result unnormalized (acc, running max, running sum) to fp32 partials;
 `combine_splits` merges them into the output. A piece past the context may write only its max
-(-inf), so the merge reads an accumulator only where the max is finite. Decode steps have few query tokens and long key ranges;
-splitting puts more programs (more loads in flight) on the same bytes, which is what a latency-bound
-loop needs.
+(-inf), so the merge reads an accumulator only where the max is finite. Decode steps have few query
+tokens and long key ranges; splitting puts more programs (more loads in flight) on the same bytes,
+which is what a latency-bound loop needs.
 
 Partials layout: acc [NUM_SPLITS, T, num_heads, head_dim], (m, l) [NUM_SPLITS, T, num_heads, 2].
 """
@@ -45,7 +45,7 @@ def _combine_splits_kernel(
     # A split that saw no visible key for this row (max -inf) contributes nothing.
     w = tl.where(run_max == float("-inf"), 0.0, tl.math.exp2(run_max - m_max))
     d = tl.arange(0, HEAD_DIM)
-    # An idle split wrote only its max (-inf): its accumulator is neither written nor read.
+    # A split past the context may have written only its max (-inf), so its accumulator is not read.
     seen = sp_in & (run_max != float("-inf"))
     acc = tl.load(partial_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=seen[:, None], other=0.0)
     total = tl.sum(w * run_sum, axis=0)
