@@ -20,7 +20,7 @@ match the cache block size.
 Split-KV (flash-decoding): with NUM_SPLITS > 1 a third grid axis cuts each program's key range into
 that many contiguous pieces, each written unnormalized (acc, running max, running sum) to fp32 partials
 that kernels/split_kv.py merges. With fused RoPE, a piece past the context (most of them, for a short
-one) writes only its max and ends.
+one) writes nothing and ends.
 
 Fused RoPE (`FusedRope`): the kernel then also does kernels/rope.py's work, so the step has one kernel
 fewer per layer. q is read from the QKV output (or the sum of its split-K partials) and rotated as it
@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 from blink_appliance.kernels.rope import join_halves, qkv_tile, rope_at, rope_halves
-from blink_appliance.kernels.split_kv import checked_partials, combine_splits
+from blink_appliance.kernels.split_kv import block_key_end, checked_partials, combine_splits, split_key_len
 
 _LOG2E = 1.4426950408889634
 
@@ -221,8 +221,7 @@ def _paged_attention_kernel(
     row_valid = (tok < seq_end) & (g < GROUP)
     head = kv_head * GROUP + g
     q_pos = ctx - (seq_end - tok)  # row's position; causal bound for its keys
-    t_last = tl.minimum(t0 + BLOCK_Q, seq_end) - 1
-    kv_end = tl.where(t0 < seq_end, ctx - (seq_end - 1 - t_last), 0)
+    kv_end = block_key_end(ctx, t0, seq_end, BLOCK_Q)
 
     d = tl.arange(0, HEAD_DIM)
     tok64 = tok.to(tl.int64)
@@ -232,7 +231,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     # This split's slice of the key range, in whole key tiles.
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = split_key_len(kv_end, NUM_SPLITS, BLOCK_N)
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)
     if FUSED_ROPE:
@@ -247,15 +246,13 @@ def _paged_attention_kernel(
     if USE_PDL:  # launched early: the metadata above are step inputs; q and this step's K/V are not
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # A split past the context (a short one leaves most of them so) only says so to the merge: its
-    # q, its accumulator and its fresh keys would be loaded and written for nothing. Only programs that
-    # fuse RoPE (the 1- to 4-token buckets, where it was measured) end early: the plain 1-warp programs
-    # of the 8-token bucket would need more registers for it (80 -> 96, bench/kernel_registers.py).
+    # A split past the context (a short one leaves most of them so) ends here and writes nothing: the
+    # merge does not read it. It ends after the wait, so every program waits (ending before it measured
+    # the same). Only programs that fuse RoPE (the 1- to 4-token buckets, where it was measured) end
+    # early: the plain 1-warp programs of the 8-token bucket would need more registers for it (80 -> 96,
+    # bench/kernel_registers.py).
     if NUM_SPLITS > 1 and FUSED_ROPE:
         if kv_lo >= kv_hi:
-            row = (split * num_tokens + tok64) * NUM_HEADS + head
-            tl.store(partial_ml_ptr + row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-            tl.store(partial_ml_ptr + row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_valid)
             return
     if FUSED_ROPE:
         h = tl.arange(0, HEAD_DIM // 2)[None, :]
@@ -440,7 +437,10 @@ def paged_attention(
         launch_pdl=pdl,
     )
     if num_splits > 1:
-        combine_splits(acc_buf, ml_buf, out, tokens, num_heads, head_dim, num_splits, pdl)
+        combine_splits(
+            acc_buf, ml_buf, out, query_start, context_lens, tokens, num_heads, head_dim, num_splits, block_q,
+            block_n, pdl,
+        )  # fmt: skip
     return out
 
 

@@ -199,7 +199,8 @@ def _step_inputs(runs, query_start, ctx, tables, T, bs):
 @pytest.mark.parametrize("case", GPU_CASES if GPU else CPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if GPU else [torch.float32])
 @pytest.mark.parametrize(
-    ("num_splits", "block_n", "source"), [(1, 32, "qkv"), (1, 16, "parts"), (3, 16, "parts")]
+    ("num_splits", "block_n", "source"),
+    [(1, 32, "qkv"), (1, 16, "parts"), (3, 16, "parts"), (8, 16, "qkv")],  # 8: most splits past the context
 )
 def test_fused_rope_matches_the_rope_kernel_then_attention(case, dtype, num_splits, block_n, source):
     """FusedRope: the attention rotates q and this step's keys itself and writes the step's K/V. Same
