@@ -176,7 +176,7 @@ def test_decode_step_with_silu_in_the_down_gemm_matches_reference():
 )
 def test_small_buckets_fuse_rope_and_match_reference(steps):
     """The 1- to 4-token buckets' attention plan (RoPE and the cache write in the attention, keys
-    split 32 ways, split-K QKV partials summed as q and k are read): each step reads the keys the one
+    split 16 or 32 ways, split-K QKV partials summed as q and k are read): each step reads the keys the one
     before wrote; the cache must hold what the reference writes."""
     ckpt = load_checkpoint("dummy:tiny", seed=3)
     cfg = ckpt.config

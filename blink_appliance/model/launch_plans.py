@@ -50,16 +50,21 @@ def attention_config(num_tokens: int, config: ModelConfig | None = None) -> Atte
     ties at 256 keys and loses at 4096 (1.109 -> 1.194) (bench/results/2026-11-29-h200-b1-fused-rope.md,
     2026-11-29-h200-small-bucket-attention.md). Models with q/k norms keep the RoPE kernel, so they
     keep the 1-warp shape measured with it.
-    A split past the context only writes its max, so these buckets take 32 splits: on the H200 the 1B
-    step took 0.798-0.800 -> 0.800 ms at 256 keys, 0.805-0.808 -> 0.806 at 1024 and 0.865-0.868 ->
-    0.842 at 4096 in the 1-token bucket; the 2- and 4-token buckets tie within 0-9 µs up to 1024 keys
-    and gain 20 and 43 µs at 4096. For 128-wide heads (8B) the 1-token bucket gains 13-39 µs at 1024
-    keys and 51-132 at 4096, but the 4-token one loses 38-46 µs up to 1024, so only the 1-token bucket
-    splits 32 ways there (bench/results/2026-11-29-h200-attention-idle-splits.md,
-    -attention-splits-small-buckets.md).
+    A split past the context ends at once and the merge skips it, so most of these buckets take 32
+    splits. By graph replay on the H200 the 2- and 4-token buckets of 1B tie within 0-9 µs up to 1024
+    keys and gain 20 and 43 µs at 4096; for 128-wide heads (8B) the 1-token bucket gains 13-39 µs at
+    1024 keys and 51-132 at 4096, but the 4-token one loses 38-46 µs up to 1024, so it keeps 16
+    (bench/results/2026-11-29-h200-attention-idle-splits.md, -attention-splits-small-buckets.md).
+    1B's 1-token bucket keeps 16: in the loop at the shipped geometry (256 sequences) 32 splits cost
+    10 µs a step at a 128-token prompt (0.784 -> 0.793-0.795 ms), though they gain 28 µs at 4096 keys
+    (0.878 -> 0.850; bench/results/2026-11-30-h200-split-merge.md).
     """
     if num_tokens <= 4 and (config is None or not config.qk_norm):
-        splits = 32 if num_tokens == 1 or config is None or config.head_dim <= 64 else 16
+        wide = config is not None and config.head_dim > 64
+        if num_tokens == 1:
+            splits = 32 if wide else 16
+        else:
+            splits = 16 if wide else 32
         return AttentionConfig(
             block_q=4, block_n=32, splits=splits, num_warps=4, num_stages=3, fused_rope=True
         )
