@@ -108,8 +108,16 @@ async def test_get_telemetry_json(client, counters: Counters, source: TelemetryS
     source.latency("tiny").record_first_token(now - 40 * MS, now)
     source.latency("tiny").record_token(now, now + 12 * MS)
     counters.values.update(running=3, waiting=2, steps=17)
+    # The scheduling probe starts with the app but wakes first a millisecond later, which a loaded host
+    # stretches: wait for its first sample as for the counters.
     snap = await telemetry_once(
-        client, lambda s: (m := s.model("tiny")) is not None and m.engine is not None and m.engine.steps == 17
+        client,
+        lambda s: (
+            (m := s.model("tiny")) is not None
+            and m.engine is not None
+            and m.engine.steps == 17
+            and s.host.sched_samples > 0
+        ),
     )
     tiny = snap.model("tiny")
     assert tiny is not None and tiny.engine is not None
