@@ -42,7 +42,14 @@ import torch
 import triton
 import triton.language as tl
 from blink_appliance.kernels.rope import join_halves, qkv_tile, rope_at, rope_halves
-from blink_appliance.kernels.split_kv import block_key_end, checked_partials, combine_splits, split_key_len
+from blink_appliance.kernels.split_kv import (
+    block_key_end,
+    checked_partials,
+    combine_splits,
+    load_runs,
+    pick,
+    split_key_len,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -195,12 +202,8 @@ def _paged_attention_kernel(
     # Which sequence (or the padding tail, index num_seqs) this program serves. Non-empty runs are
     # numbered query_start[s] // BLOCK_Q + (non-empty runs before s): enough programs for each run's
     # query blocks, and empty sequence slots cost no programs.
-    s_idx = tl.arange(0, SEQS_PAD)
-    in_range = s_idx <= num_seqs
-    starts = tl.load(query_start_ptr + s_idx, mask=in_range, other=num_tokens)
-    ends = tl.load(query_start_ptr + s_idx + 1, mask=s_idx < num_seqs, other=num_tokens)
-    ctxs = tl.load(context_lens_ptr + s_idx, mask=s_idx < num_seqs, other=0)
-    nonempty = (ends > starts) & in_range
+    s_idx, starts, ends, ctxs = load_runs(query_start_ptr, context_lens_ptr, num_seqs, num_tokens, SEQS_PAD)
+    nonempty = (ends > starts) & (s_idx <= num_seqs)
     ne = nonempty.to(tl.int32)
     rank = tl.cumsum(ne, axis=0) - ne
     first_block = starts // BLOCK_Q + rank
@@ -209,10 +212,10 @@ def _paged_attention_kernel(
     # Pick this sequence's facts out of vectors already in registers: no dependent loads (a decode
     # program is a short chain of memory round trips, so each one saved shows).
     sel = s_idx == seq
-    seq_first_block = tl.sum(tl.where(sel, first_block, 0), axis=0)
-    seq_start = tl.sum(tl.where(sel, starts, 0), axis=0)
-    seq_end = tl.sum(tl.where(sel, ends, 0), axis=0)  # num_tokens for the padding tail
-    ctx = tl.sum(tl.where(sel, ctxs, 0), axis=0)  # 0 for the padding tail
+    seq_first_block = pick(sel, first_block)
+    seq_start = pick(sel, starts)
+    seq_end = pick(sel, ends)  # num_tokens for the padding tail
+    ctx = pick(sel, ctxs)  # 0 for the padding tail
     t0 = seq_start + (pid - seq_first_block) * BLOCK_Q
 
     rows = tl.arange(0, BLOCK_M)
@@ -438,8 +441,8 @@ def paged_attention(
     )
     if num_splits > 1:
         combine_splits(
-            acc_buf, ml_buf, out, query_start, context_lens, tokens, num_heads, head_dim, num_splits, block_q,
-            block_n, pdl,
+            acc_buf, ml_buf, out, query_start, context_lens, tokens=tokens, num_heads=num_heads,
+            head_dim=head_dim, num_splits=num_splits, block_q=block_q, block_n=block_n, pdl=pdl,
         )  # fmt: skip
     return out
 

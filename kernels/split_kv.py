@@ -17,6 +17,23 @@ import triton.language as tl
 
 
 @triton.jit
+def load_runs(query_start_ptr, context_lens_ptr, num_seqs, num_tokens, SEQS_PAD: tl.constexpr):
+    """The step's run table as vectors over sequence slots: each slot's first row, end row and context
+    length. Slot num_seqs is the padding tail (rows query_start[num_seqs] up to num_tokens, no keys)."""
+    s_idx = tl.arange(0, SEQS_PAD)
+    starts = tl.load(query_start_ptr + s_idx, mask=s_idx <= num_seqs, other=num_tokens)
+    ends = tl.load(query_start_ptr + s_idx + 1, mask=s_idx < num_seqs, other=num_tokens)
+    ctxs = tl.load(context_lens_ptr + s_idx, mask=s_idx < num_seqs, other=0)
+    return s_idx, starts, ends, ctxs
+
+
+@triton.jit
+def pick(sel, values):
+    """The value where `sel` holds (0 where it holds nowhere): picked out of registers, no load."""
+    return tl.sum(tl.where(sel, values, 0), axis=0)
+
+
+@triton.jit
 def block_key_end(ctx, t0, seq_end, BLOCK_Q: tl.constexpr):
     """The keys a query block attends to: [0, this), up to its last token's position. ctx is its
     sequence's context length, t0 its first token, seq_end the end of its sequence's rows."""
@@ -54,16 +71,14 @@ def _combine_splits_kernel(
     # Which splits saw keys follows from the step's inputs alone, so it is known before the wait and
     # the partials load in one round trip, only the splits that wrote them (a split past the context
     # writes nothing).
-    s_idx = tl.arange(0, SEQS_PAD)
-    starts = tl.load(query_start_ptr + s_idx, mask=s_idx < num_seqs, other=num_tokens)
-    ends = tl.load(query_start_ptr + s_idx + 1, mask=s_idx < num_seqs, other=num_tokens)
-    ctxs = tl.load(context_lens_ptr + s_idx, mask=s_idx < num_seqs, other=0)
-    mine = (starts <= t) & (t < ends)  # none for a padding row: it merges to zeros
-    seq_start = tl.sum(tl.where(mine, starts, 0), axis=0)
-    seq_end = tl.sum(tl.where(mine, ends, 0), axis=0)
-    ctx = tl.sum(tl.where(mine, ctxs, 0), axis=0)
+    _, starts, ends, ctxs = load_runs(query_start_ptr, context_lens_ptr, num_seqs, num_tokens, SEQS_PAD)
+    mine = (starts <= t) & (
+        t < ends
+    )  # a padding row falls in the tail, which has no keys: it merges to zeros
+    seq_start = pick(mine, starts)
     t0 = seq_start + (t - seq_start) // BLOCK_Q * BLOCK_Q
-    kv_end = block_key_end(ctx, t0, seq_end, BLOCK_Q)
+    kv_end = block_key_end(pick(mine, ctxs), t0, pick(mine, ends), BLOCK_Q)
+    # (tl.where computes both sides: the maximum only keeps the unused one from dividing by zero.)
     seen_splits = tl.where(
         kv_end > 0, tl.cdiv(kv_end, tl.maximum(split_key_len(kv_end, NUM_SPLITS, BLOCK_N), 1)), 0
     )
